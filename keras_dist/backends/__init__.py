@@ -1,0 +1,33 @@
+"""Backend adapters: the only modules that import jax, torch or tensorflow."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import keras
+
+from keras_dist.backends.base import BackendAdapter
+
+_ADAPTER_MODULES = {
+    "jax": "keras_dist.backends.jax_adapter",
+    "torch": "keras_dist.backends.torch_adapter",
+    "tensorflow": "keras_dist.backends.tf_adapter",
+}
+
+
+@functools.cache
+def get_adapter() -> BackendAdapter:
+    """The adapter for the Keras backend of this process (`KERAS_BACKEND`)."""
+    backend_name = keras.backend.backend()
+    module_name = _ADAPTER_MODULES.get(backend_name)
+    if module_name is None:
+        raise NotImplementedError(
+            "keras_dist supports the Keras backends "
+            f"{sorted(_ADAPTER_MODULES)}. Received: backend={backend_name!r}. "
+            "Set KERAS_BACKEND to one of them."
+        )
+    return importlib.import_module(module_name).ADAPTER
+
+
+__all__ = ["BackendAdapter", "get_adapter"]

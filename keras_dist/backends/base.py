@@ -1,0 +1,86 @@
+"""The small interface every backend adapter implements.
+
+The backend-neutral core (meshes, layouts, policies, runtime, callback, trainer)
+talks to the active Keras backend only through this interface, so it never
+imports jax, torch or tensorflow and never branches on the backend name.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+
+class BackendAdapter(abc.ABC):
+    """What keras_dist needs from one Keras backend.
+
+    Methods that an adapter cannot honour yet raise `NotImplementedError` with a
+    message that says what is missing; they never silently do nothing.
+    """
+
+    #: The Keras backend name this adapter serves (`keras.backend.backend()`).
+    name: str = ""
+
+    # -- devices and processes -------------------------------------------------
+    @abc.abstractmethod
+    def simulate_cpu_devices(self, count: int) -> None:
+        """Make `count` CPU devices visible to this process.
+
+        Called once at import when `KERAS_DIST_CPU_DEVICES` is set, before the
+        backend runtime starts.
+        """
+
+    @abc.abstractmethod
+    def list_devices(self, device_type: str | None = None) -> list[str]:
+        """Global device names such as `"cpu:0"`, accelerators first."""
+
+    @abc.abstractmethod
+    def local_device_count(self, device_type: str | None = None) -> int:
+        """Devices that belong to this process."""
+
+    @abc.abstractmethod
+    def num_processes(self) -> int:
+        """Processes in the job (1 when not initialized)."""
+
+    @abc.abstractmethod
+    def process_id(self) -> int:
+        """This process' rank (0 when not initialized)."""
+
+    @abc.abstractmethod
+    def initialize(
+        self,
+        coordinator_address: str,
+        num_processes: int,
+        process_id: int,
+        *,
+        timeout_seconds: float,
+    ) -> None:
+        """Join the multi-process job whose coordinator is `coordinator_address`."""
+
+    # -- layouts ---------------------------------------------------------------
+    @abc.abstractmethod
+    def to_backend_mesh(self, device_mesh: Any) -> Any:
+        """The backend's own mesh object for a `DeviceMesh`."""
+
+    @abc.abstractmethod
+    def to_backend_layout(self, tensor_layout: Any) -> Any:
+        """The backend's own sharding object for a `TensorLayout`."""
+
+    @abc.abstractmethod
+    def distribute_tensor(self, tensor: Any, tensor_layout: Any) -> Any:
+        """Lay `tensor` out as `tensor_layout` says (eagerly or inside a trace)."""
+
+    # -- training --------------------------------------------------------------
+    @abc.abstractmethod
+    def activate(self, model: Any, distribution: Any) -> None:
+        """Prepare `model` to run `fit`/`evaluate`/`predict` under `distribution`.
+
+        Lays out the variables that already exist, routes the model's input
+        batches through keras_dist (sharding, padding and masking) and drops any
+        compiled step that was built for another layout. The distribution is
+        already the global one when this is called.
+        """
+
+    @abc.abstractmethod
+    def deactivate(self, model: Any) -> None:
+        """Undo what `activate` changed on `model`; the variables keep their layout."""

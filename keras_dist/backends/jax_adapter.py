@@ -1,0 +1,179 @@
+"""JAX adapter: `jax.sharding` layouts, `jax.distributed` processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+
+from keras_dist.backends import jax_keras_internals as internals
+from keras_dist.backends.base import BackendAdapter
+from keras_dist.padding import MaskedBatch, pad_batch
+
+
+def _device_name(device: Any) -> str:
+    return f"{device.platform}:{device.id}"
+
+
+def _to_jax_device(device: Any) -> Any:
+    if isinstance(device, jax.Device):
+        return device
+    platform, _, index = str(device).partition(":")
+    for candidate in jax.devices(platform):
+        if candidate.id == int(index or 0):
+            return candidate
+    raise ValueError(
+        f"No JAX device is named {device!r}. Available: "
+        f"{[_device_name(d) for d in jax.devices(platform)]}"
+    )
+
+
+class DistributedBatches:
+    """Iterator over padded, masked and sharded batches for one epoch.
+
+    It counts the padding rows it has handed out so that `predict` can drop
+    the matching output rows.
+    """
+
+    def __init__(self, batches: Iterator[Any], distribution: Any):
+        self._batches = iter(batches)
+        self._distribution = distribution
+        self._shardings: dict[tuple[int, ...], Any] = {}
+        self.padding_rows = 0
+
+    def __iter__(self) -> DistributedBatches:
+        return self
+
+    def _sharding(self, shape: tuple[int, ...]) -> Any:
+        key = (len(shape),)
+        if key not in self._shardings:
+            layout = self._distribution.get_data_layout(shape)
+            self._shardings[key] = layout.backend_layout
+        return self._shardings[key]
+
+    def _place(self, leaf: Any) -> Any:
+        if leaf is None:
+            return None
+        leaf = np.asarray(leaf)
+        return jax.make_array_from_process_local_data(self._sharding(leaf.shape), leaf)
+
+    def __next__(self) -> Any:
+        batch = next(self._batches)
+        batch = pad_batch(batch, self._distribution.num_model_replicas)
+        if isinstance(batch, MaskedBatch):
+            self.padding_rows += int(batch.mask.shape[0] - batch.mask.sum())
+        return keras.tree.map_structure(self._place, batch)
+
+    def take_padding_rows(self) -> int:
+        rows, self.padding_rows = self.padding_rows, 0
+        return rows
+
+
+def _trim_outputs(outputs: Any, iterator: Any) -> Any:
+    rows = (
+        iterator.take_padding_rows() if isinstance(iterator, DistributedBatches) else 0
+    )
+    if not rows:
+        return outputs
+    return keras.tree.map_structure(lambda output: output[:-rows], outputs)
+
+
+class JaxAdapter(BackendAdapter):
+    name = "jax"
+
+    def simulate_cpu_devices(self, count: int) -> None:
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+        except RuntimeError:
+            present = jax.local_device_count("cpu")
+            if present != count:
+                raise RuntimeError(
+                    f"KERAS_DIST_CPU_DEVICES={count} came too late: JAX already "
+                    f"started with {present} CPU devices. Set the variable before "
+                    "the first JAX computation."
+                ) from None
+
+    def list_devices(self, device_type: str | None = None) -> list[str]:
+        return [_device_name(device) for device in jax.devices(device_type)]
+
+    def local_device_count(self, device_type: str | None = None) -> int:
+        return jax.local_device_count(device_type)
+
+    def num_processes(self) -> int:
+        return jax.process_count()
+
+    def process_id(self) -> int:
+        return jax.process_index()
+
+    def initialize(
+        self,
+        coordinator_address: str,
+        num_processes: int,
+        process_id: int,
+        *,
+        timeout_seconds: float,
+    ) -> None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        try:
+            jax.distributed.initialize(
+                coordinator_address=coordinator_address,
+                num_processes=num_processes,
+                process_id=process_id,
+                initialization_timeout=max(1, int(timeout_seconds)),
+            )
+        except Exception as error:  # jax raises several XLA runtime types here
+            raise RuntimeError(
+                f"Process {process_id} of {num_processes} could not join the job "
+                f"coordinated at {coordinator_address} within {timeout_seconds:g} "
+                f"s: {error}"
+            ) from error
+
+    def to_backend_mesh(self, device_mesh: Any) -> Any:
+        devices = np.asarray(device_mesh.devices, dtype=object)
+        jax_devices = np.array(
+            [_to_jax_device(device) for device in devices.reshape(-1)], dtype=object
+        ).reshape(devices.shape)
+        return jax.sharding.Mesh(jax_devices, tuple(device_mesh.axis_names))
+
+    def to_backend_layout(self, tensor_layout: Any) -> Any:
+        mesh = tensor_layout.device_mesh.backend_mesh
+        spec = jax.sharding.PartitionSpec(*tensor_layout.axes)
+        return jax.sharding.NamedSharding(mesh, spec)
+
+    def distribute_tensor(self, tensor: Any, tensor_layout: Any) -> Any:
+        sharding = tensor_layout.backend_layout
+        if isinstance(tensor, jax.core.Tracer):
+            return jax.lax.with_sharding_constraint(tensor, sharding)
+        return jax.device_put(tensor, sharding)
+
+    def activate(self, model: Any, distribution: Any) -> None:
+        for variable in _all_variables(model):
+            internals.relayout_variable(
+                variable, distribution.layout_for_variable(variable)
+            )
+        internals.route_batches(
+            lambda batches: DistributedBatches(batches, distribution)
+        )
+        internals.install_steps(model, _trim_outputs, jax.value_and_grad)
+
+    def deactivate(self, model: Any) -> None:
+        internals.remove_steps(model)
+        internals.unroute_batches()
+
+
+def _all_variables(model: Any) -> list[Any]:
+    seen: dict[int, Any] = {}
+    groups = [model.variables, model.metrics_variables]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        groups.append(optimizer.variables)
+    for group in groups:
+        for variable in group:
+            seen.setdefault(id(variable), variable)
+    return list(seen.values())
+
+
+ADAPTER = JaxAdapter()

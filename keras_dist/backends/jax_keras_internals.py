@@ -1,0 +1,253 @@
+"""Every Keras private internal the JAX adapter relies on, in one place.
+
+`tests/test_keras_internals.py` imports `check()` and fails loudly when a Keras
+release moves any of these, so a breakage shows up as one clear test failure.
+Nothing here imports jax: the arithmetic goes through `keras.ops`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+from keras import ops
+from keras.src import backend as keras_backend
+from keras.src.backend.jax import trainer as jax_trainer
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_dist.padding import MaskedBatch
+
+_original_get_iterator = jax_trainer.JAXEpochIterator._get_iterator
+_batch_source: list[Callable[[Iterator[Any]], Iterator[Any]]] = []
+
+
+def check() -> list[str]:
+    """Names of the internals that this Keras release no longer has."""
+    missing = []
+    if not hasattr(jax_trainer, "JAXEpochIterator"):
+        missing.append("keras.src.backend.jax.trainer.JAXEpochIterator")
+    else:
+        if not hasattr(jax_trainer.JAXEpochIterator, "_get_iterator"):
+            missing.append("JAXEpochIterator._get_iterator")
+    for name in (
+        "compute_loss_and_updates",
+        "make_train_function",
+        "make_test_function",
+        "make_predict_function",
+        "train_step",
+        "test_step",
+        "predict_step",
+    ):
+        if not hasattr(jax_trainer.JAXTrainer, name):
+            missing.append(f"JAXTrainer.{name}")
+    for name in ("_direct_assign", "_layout"):
+        variable = keras.Variable(0.0)
+        if not hasattr(variable, name):
+            missing.append(f"Variable.{name}")
+    if not hasattr(keras_backend, "StatelessScope"):
+        missing.append("keras.src.backend.StatelessScope")
+    if not hasattr(data_adapter_utils, "unpack_x_y_sample_weight"):
+        missing.append("data_adapter_utils.unpack_x_y_sample_weight")
+    model = keras.Sequential([keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    if not hasattr(model, "_loss_tracker"):
+        missing.append("Trainer._loss_tracker")
+    return missing
+
+
+# -- input batches -------------------------------------------------------------
+def _patched_get_iterator(epoch_iterator: Any) -> Any:
+    if not _batch_source:
+        return _original_get_iterator(epoch_iterator)
+    return _batch_source[-1](epoch_iterator.data_adapter.get_jax_iterator())
+
+
+def route_batches(source: Callable[[Iterator[Any]], Iterator[Any]]) -> None:
+    """Send every Keras JAX epoch's batches through `source` until unrouted.
+
+    Keras builds its per-epoch iterator lazily, so routing before the first
+    epoch (from `Callback.set_model`) covers the whole `fit`.
+    """
+    jax_trainer.JAXEpochIterator._get_iterator = _patched_get_iterator
+    _batch_source.append(source)
+
+
+def unroute_batches() -> None:
+    if _batch_source:
+        _batch_source.pop()
+    if not _batch_source:
+        jax_trainer.JAXEpochIterator._get_iterator = _original_get_iterator
+
+
+# -- variables -----------------------------------------------------------------
+def relayout_variable(variable: Any, layout: Any) -> None:
+    """Give an existing variable `layout` and move its value there."""
+    variable._layout = layout
+    variable._direct_assign(variable.value)
+
+
+def variable_layout(variable: Any) -> Any:
+    return getattr(variable, "_layout", None)
+
+
+# -- step functions that honour a padding mask ---------------------------------
+def _row_weights(mask: Any, sample_weight: Any) -> Any:
+    """Per-row weights: the user's `sample_weight` with padded rows zeroed."""
+    if sample_weight is None:
+        return mask
+    mask = ops.cast(mask, sample_weight.dtype)
+    mask = ops.reshape(mask, (-1,) + (1,) * (len(sample_weight.shape) - 1))
+    return sample_weight * mask
+
+
+def _update_metrics(
+    model: Any, metrics_variables: Any, loss: Any, real_rows: Any, batch: Any
+) -> tuple[Any, list[Any]]:
+    x, y, y_pred, weights = batch
+    mapping = list(zip(model.metrics_variables, metrics_variables, strict=True))
+    with keras_backend.StatelessScope(state_mapping=mapping) as scope:
+        # Keras weighs the loss by the padded batch size; only real rows count.
+        model._loss_tracker.update_state(loss, sample_weight=real_rows)
+        logs = model.compute_metrics(x, y, y_pred, weights)
+    new_values = []
+    for ref_variable, value in mapping:
+        current = scope.get_current_value(ref_variable)
+        new_values.append(value if current is None else current)
+    return logs, new_values
+
+
+def _split(batch: MaskedBatch) -> tuple[Any, Any, Any, Any, Any, Any]:
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch.data)
+    mask = batch.mask
+    real_rows = ops.sum(mask)
+    weights = _row_weights(mask, sample_weight)
+    # `sum_over_batch_size` divides by the padded size; rescaling the weights
+    # makes the loss (and its gradient) the mean over the real rows.
+    loss_weights = weights * ops.cast(mask.shape[0] / real_rows, weights.dtype)
+    return x, y, weights, loss_weights, real_rows, mask
+
+
+def masked_train_step(
+    model: Any, state: Any, batch: MaskedBatch, value_and_grad: Callable
+) -> Any:
+    trainable, non_trainable, optimizer_variables, metrics_variables = state
+    x, y, weights, loss_weights, real_rows, _ = _split(batch)
+    grad_fn = value_and_grad(model.compute_loss_and_updates, has_aux=True)
+    (_, aux), grads = grad_fn(
+        trainable,
+        non_trainable,
+        metrics_variables,
+        x,
+        y,
+        loss_weights,
+        training=True,
+        optimizer_variables=optimizer_variables,
+    )
+    loss, y_pred, non_trainable, metrics_variables = aux
+    trainable, optimizer_variables = model.optimizer.stateless_apply(
+        optimizer_variables, grads, trainable
+    )
+    logs, metrics_variables = _update_metrics(
+        model, metrics_variables, loss, real_rows, (x, y, y_pred, weights)
+    )
+    return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+def masked_test_step(model: Any, state: Any, batch: MaskedBatch) -> Any:
+    trainable, non_trainable, metrics_variables = state
+    x, y, weights, loss_weights, real_rows, _ = _split(batch)
+    _, aux = model.compute_loss_and_updates(
+        trainable,
+        non_trainable,
+        metrics_variables,
+        x,
+        y,
+        loss_weights,
+        training=False,
+    )
+    loss, y_pred, non_trainable, metrics_variables = aux
+    logs, metrics_variables = _update_metrics(
+        model, metrics_variables, loss, real_rows, (x, y, y_pred, weights)
+    )
+    return logs, (trainable, non_trainable, metrics_variables)
+
+
+_STEP_NAMES = ("train_step", "test_step", "predict_step", "make_predict_function")
+
+
+def install_steps(
+    model: Any,
+    trim_outputs: Callable[[Any, Any], Any],
+    value_and_grad: Callable,
+) -> None:
+    """Make `model`'s steps accept `MaskedBatch` and trim padded predictions.
+
+    Instance attributes shadow the class' methods for as long as the
+    distribution is active; `remove_steps` deletes them again.
+    """
+    cls = type(model)
+
+    def train_step(state: Any, data: Any) -> Any:
+        if isinstance(data, MaskedBatch):
+            return masked_train_step(model, state, data, value_and_grad)
+        return cls.train_step(model, state, data)
+
+    def test_step(state: Any, data: Any) -> Any:
+        if isinstance(data, MaskedBatch):
+            return masked_test_step(model, state, data)
+        return cls.test_step(model, state, data)
+
+    def predict_step(state: Any, data: Any) -> Any:
+        if isinstance(data, MaskedBatch):
+            data = data.data
+        return cls.predict_step(model, state, data)
+
+    def make_predict_function(force: bool = False) -> Any:
+        cls.make_predict_function(model, force=force)
+        compiled = model.predict_function
+        if getattr(compiled, "_keras_dist_trims", False):
+            return compiled
+
+        def predict_function(state: Any, iterator: Any) -> Any:
+            outputs, state = compiled(state, iterator)
+            return trim_outputs(outputs, iterator), state
+
+        predict_function._keras_dist_trims = True
+        model.predict_function = predict_function
+        return predict_function
+
+    replacements = {
+        "train_step": train_step,
+        "test_step": test_step,
+        "predict_step": predict_step,
+        "make_predict_function": make_predict_function,
+    }
+    for name, function in replacements.items():
+        object.__setattr__(model, name, function)
+    reset_compiled_functions(model)
+
+
+def remove_steps(model: Any) -> None:
+    for name in _STEP_NAMES:
+        model.__dict__.pop(name, None)
+    reset_compiled_functions(model)
+
+
+def reset_compiled_functions(model: Any) -> None:
+    """Drop compiled steps: they were built for the previous layouts."""
+    model.train_function = None
+    model.test_function = None
+    model.predict_function = None
+
+
+__all__ = [
+    "check",
+    "install_steps",
+    "relayout_variable",
+    "remove_steps",
+    "reset_compiled_functions",
+    "route_batches",
+    "unroute_batches",
+    "variable_layout",
+]

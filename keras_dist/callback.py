@@ -1,0 +1,78 @@
+"""`DistributeCallback`: a distribution for one `fit`, `evaluate` or `predict`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from keras_dist.session import DistributedRun, check_distribution
+
+_MODES = ("train", "test", "predict")
+
+
+class DistributeCallback(keras.callbacks.Callback):
+    """Run `fit`, `evaluate` or `predict` under `distribution`.
+
+    The distribution becomes active when Keras hands the model to its callbacks,
+    before the first step is compiled: variables that already exist are laid
+    out then, variables created later get their layout at creation, and every
+    batch is split between the devices (a last batch that does not divide is
+    padded and the padding masked out). It is switched off when the call that
+    started it ends; validation inside `fit` stays distributed.
+
+    Args:
+        distribution: a keras_dist `DataParallel` or `ModelParallel`.
+
+    Example:
+
+    ```python
+    distribution = keras_dist.DataParallel()
+    callback = keras_dist.DistributeCallback(distribution)
+    model.fit(x, y, batch_size=64, callbacks=[callback])
+    ```
+    """
+
+    def __init__(self, distribution: Any):
+        super().__init__()
+        self.distribution = check_distribution(distribution, "DistributeCallback")
+        self._run: DistributedRun | None = None
+        self._owner: str | None = None
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        # A previous call that raised never reached its `on_*_end`.
+        self.close()
+        self._run = DistributedRun(model, self.distribution).start()
+
+    def close(self) -> None:
+        """Switch the distribution off now (for a call that raised)."""
+        if self._run is not None:
+            run, self._run, self._owner = self._run, None, None
+            run.stop()
+
+    def _begin(self, mode: str) -> None:
+        if self._owner is None:
+            self._owner = mode
+
+    def _end(self, mode: str) -> None:
+        if self._owner == mode:
+            self.close()
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._begin("train")
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._end("train")
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        self._begin("test")
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        self._end("test")
+
+    def on_predict_begin(self, logs: dict | None = None) -> None:
+        self._begin("predict")
+
+    def on_predict_end(self, logs: dict | None = None) -> None:
+        self._end("predict")

@@ -1,0 +1,70 @@
+"""Padding a batch to a size the devices can split, with a mask for the pad.
+
+Backend-neutral: works on NumPy arrays. The adapters lay the padded arrays out
+on devices and the step functions use the mask so that padded rows never count.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+
+
+class MaskedBatch(NamedTuple):
+    """A batch padded with rows that must not count.
+
+    Attributes:
+        data: the padded `(x,)`, `(x, y)` or `(x, y, sample_weight)` tuple.
+        mask: float32 vector, 1 for real rows and 0 for padding.
+    """
+
+    data: Any
+    mask: Any
+
+
+def leading_dim(data: Any) -> int:
+    """The batch size of a nested structure of arrays."""
+    for leaf in keras.tree.flatten(data):
+        if leaf is not None and getattr(leaf, "shape", None):
+            return int(leaf.shape[0])
+    raise ValueError(
+        "Could not find the batch dimension: the batch holds no arrays. "
+        f"Received: a batch of type {type(data).__name__}"
+    )
+
+
+def padded_size(batch_size: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that holds `batch_size` rows."""
+    return -(-batch_size // multiple) * multiple
+
+
+def pad_rows(array: Any, rows: int) -> np.ndarray:
+    """`array` with `rows` zero rows appended along axis 0."""
+    array = np.asarray(array)
+    padding = [(0, rows)] + [(0, 0)] * (array.ndim - 1)
+    return np.pad(array, padding)
+
+
+def pad_batch(data: Any, multiple: int) -> Any:
+    """Pad `data` so its batch divides `multiple`; return it as is if it does.
+
+    Returns:
+        `data` unchanged when its batch size divides `multiple`, else a
+        `MaskedBatch` whose arrays have zero rows appended and whose mask marks
+        the real rows.
+    """
+    if multiple < 1:
+        raise ValueError(f"`multiple` must be at least 1. Received: {multiple}")
+    size = leading_dim(data)
+    target = padded_size(size, multiple)
+    if target == size:
+        return data
+    extra = target - size
+    padded = keras.tree.map_structure(
+        lambda leaf: None if leaf is None else pad_rows(leaf, extra), data
+    )
+    mask = np.zeros((target,), dtype="float32")
+    mask[:size] = 1.0
+    return MaskedBatch(padded, mask)

@@ -1,0 +1,261 @@
+"""Distribution policies: which layout each variable, tensor and batch gets."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import keras
+
+from keras_dist import runtime
+from keras_dist._keras_compat import KerasDistribution
+from keras_dist.mesh import DeviceMesh, TensorLayout, validate_axes_in_mesh
+
+DEFAULT_BATCH_DIM_NAME = "batch"
+
+
+def _check_mesh(device_mesh: Any) -> Any:
+    if not isinstance(device_mesh, keras.distribution.DeviceMesh):
+        raise TypeError(
+            "`device_mesh` must be a DeviceMesh (keras_dist's or Keras'). "
+            f"Received: device_mesh={device_mesh!r} of type "
+            f"{type(device_mesh).__name__}"
+        )
+    return device_mesh
+
+
+class Distribution(KerasDistribution):
+    """Base class of the policies: a mesh plus where data and variables go.
+
+    Args:
+        device_mesh: the `DeviceMesh` everything is laid out on.
+        batch_dim_name: the mesh axis that splits the batch. Defaults to the
+            mesh's first axis.
+        auto_shard_dataset: whether keras_dist splits the input between
+            processes. Set it to `False` when each process already reads its
+            own part of the data.
+    """
+
+    def __init__(
+        self,
+        device_mesh: Any,
+        batch_dim_name: str | None = None,
+        auto_shard_dataset: bool = True,
+    ):
+        self._device_mesh = _check_mesh(device_mesh)
+        if batch_dim_name is None:
+            batch_dim_name = device_mesh.axis_names[0]
+        if batch_dim_name not in device_mesh.axis_names:
+            raise ValueError(
+                f"`batch_dim_name` must be an axis of the mesh, one of "
+                f"{list(device_mesh.axis_names)}. Received: "
+                f"batch_dim_name={batch_dim_name!r}"
+            )
+        if not isinstance(auto_shard_dataset, bool):
+            raise TypeError(
+                "`auto_shard_dataset` must be True or False. Received: "
+                f"auto_shard_dataset={auto_shard_dataset!r}"
+            )
+        self._batch_dim_name = batch_dim_name
+        self._auto_shard_dataset = auto_shard_dataset
+        self._num_processes = runtime.num_processes()
+        self._process_id = runtime.process_id()
+        self._is_multi_process = self._num_processes > 1
+
+    @property
+    def num_model_replicas(self) -> int:
+        """How many copies of the model see different data."""
+        axis = list(self.device_mesh.axis_names).index(self.batch_dim_name)
+        return int(self.device_mesh.shape[axis])
+
+    def get_data_layout(self, data_shape: tuple[int, ...]) -> TensorLayout:
+        """Batches are split along `batch_dim_name` and replicated otherwise."""
+        data_shape = tuple(data_shape)
+        if not data_shape:
+            raise ValueError(
+                "Input data must have a batch dimension; a scalar cannot be "
+                f"split. Received: data_shape={data_shape}"
+            )
+        axes = [self.batch_dim_name] + [None] * (len(data_shape) - 1)
+        return TensorLayout(axes, self.device_mesh)
+
+    def get_variable_layout(self, variable: Any) -> Any:
+        """The variable's own layout if it has one, else `layout_for_variable`."""
+        existing = getattr(variable, "_layout", None)
+        if existing is not None:
+            return existing
+        return self.layout_for_variable(variable)
+
+    def layout_for_variable(self, variable: Any) -> TensorLayout:
+        """The layout this policy gives `variable`, whatever it had before."""
+        return TensorLayout([None] * len(variable.shape), self.device_mesh)
+
+    def get_tensor_layout(self, path: str) -> Any:
+        return None
+
+    def distribute_dataset(self, dataset: Any) -> Any:
+        """This process' part of `dataset`; the dataset itself in one process."""
+        if not self._is_multi_process or not self.auto_shard_dataset:
+            return dataset
+        raise NotImplementedError(
+            "Splitting a dataset between processes is not implemented yet in "
+            f"keras_dist. Received: dataset of type {type(dataset).__name__} in "
+            f"a job of {self._num_processes} processes. Pass "
+            "auto_shard_dataset=False and give each process its own data."
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} device_mesh={self.device_mesh}, "
+            f"batch_dim_name={self.batch_dim_name!r}>"
+        )
+
+
+class DataParallel(Distribution, keras.distribution.DataParallel):
+    """Replicate the model on every device; split each batch between them.
+
+    Args:
+        device_mesh: a 1-D `DeviceMesh`. Give this or `devices`, not both.
+        devices: device names to build a 1-D mesh from.
+        auto_shard_dataset: see `Distribution`.
+
+    With neither argument, every device of `list_devices()` is used.
+
+    Example:
+
+    >>> distribution = keras_dist.DataParallel(devices=["cpu:0"])
+    >>> distribution.device_mesh.axis_names
+    ['batch']
+    """
+
+    def __init__(
+        self,
+        device_mesh: Any = None,
+        devices: Any = None,
+        auto_shard_dataset: bool = True,
+    ):
+        if device_mesh is not None and devices is not None:
+            raise ValueError(
+                "Give DataParallel either `device_mesh` or `devices`, not both. "
+                f"Received: device_mesh={device_mesh}, devices={devices}"
+            )
+        if device_mesh is None:
+            if devices is None:
+                devices = runtime.list_devices()
+            if isinstance(devices, str):
+                raise TypeError(
+                    f"`devices` must be a list of device names. Received: "
+                    f"devices={devices!r}"
+                )
+            devices = list(devices)
+            device_mesh = DeviceMesh((len(devices),), [DEFAULT_BATCH_DIM_NAME], devices)
+        _check_mesh(device_mesh)
+        if len(device_mesh.shape) != 1:
+            warnings.warn(
+                f"DataParallel splits the batch along the first mesh axis "
+                f"({device_mesh.axis_names[0]!r}) and replicates along the others; "
+                f"use ModelParallel to shard variables. Received: a mesh of shape "
+                f"{tuple(device_mesh.shape)}",
+                UserWarning,
+                stacklevel=2,
+            )
+        super().__init__(device_mesh, device_mesh.axis_names[0], auto_shard_dataset)
+
+
+class ModelParallel(Distribution, keras.distribution.ModelParallel):
+    """Shard variables as a `LayoutMap` says; split batches along one mesh axis.
+
+    Args:
+        device_mesh: the mesh. Defaults to the layout map's mesh; giving both
+            and different ones is an error.
+        layout_map: a `LayoutMap` (keras_dist's or Keras', e.g. from KerasHub's
+            `Backbone.get_layout_map(mesh)`). Keys are variable paths, or
+            `"<layer path>/output"` to relayout a layer's output.
+        batch_dim_name: the mesh axis that splits the batch. Defaults to the
+            mesh's first axis.
+        auto_shard_dataset: see `Distribution`.
+
+    Example:
+
+    >>> mesh = keras_dist.DeviceMesh((1, 1), ["batch", "model"], ["cpu:0"])
+    >>> layout_map = keras_dist.LayoutMap(mesh)
+    >>> layout_map["dense.*kernel"] = (None, "model")
+    >>> distribution = keras_dist.ModelParallel(layout_map=layout_map)
+    >>> distribution.batch_dim_name
+    'batch'
+    """
+
+    def __init__(
+        self,
+        device_mesh: Any = None,
+        layout_map: Any = None,
+        batch_dim_name: str | None = None,
+        auto_shard_dataset: bool = True,
+    ):
+        if layout_map is None:
+            raise ValueError(
+                "ModelParallel needs `layout_map=`, a LayoutMap from variable "
+                "paths to layouts."
+            )
+        if not isinstance(layout_map, keras.distribution.LayoutMap):
+            raise TypeError(
+                "`layout_map` must be a LayoutMap (keras_dist's or Keras'). "
+                f"Received: layout_map={layout_map!r} of type "
+                f"{type(layout_map).__name__}"
+            )
+        map_mesh = layout_map.device_mesh
+        if device_mesh is None:
+            device_mesh = map_mesh
+        if device_mesh is None:
+            raise ValueError(
+                "ModelParallel needs a mesh: pass `device_mesh=` or build the "
+                "LayoutMap with one."
+            )
+        _check_mesh(device_mesh)
+        if (
+            map_mesh is not None
+            and map_mesh is not device_mesh
+            and not (isinstance(device_mesh, DeviceMesh) and device_mesh == map_mesh)
+        ):
+            raise ValueError(
+                "`device_mesh` and `layout_map.device_mesh` differ; pass one of "
+                f"them. Received: device_mesh={device_mesh}, "
+                f"layout_map.device_mesh={map_mesh}"
+            )
+        for key in layout_map:
+            layout = layout_map[key]
+            validate_axes_in_mesh(layout.axes, device_mesh)
+        super().__init__(device_mesh, batch_dim_name, auto_shard_dataset)
+        self._layout_map = layout_map
+        replicas = self.num_model_replicas
+        if self._num_processes > replicas and self._num_processes % replicas != 0:
+            raise ValueError(
+                "With more processes than model replicas, the process count must "
+                f"be a multiple of the replica count. Received: "
+                f"num_processes={self._num_processes}, "
+                f"num_model_replicas={replicas}"
+            )
+
+    @property
+    def layout_map(self) -> Any:
+        return self._layout_map
+
+    def _on_mesh(self, layout: Any) -> Any:
+        if layout is None or layout.device_mesh is not None:
+            return layout
+        return TensorLayout(layout.axes, self.device_mesh)
+
+    def layout_for_variable(self, variable: Any) -> Any:
+        layout = self._on_mesh(self._layout_map[variable.path])
+        if layout is None:
+            return super().layout_for_variable(variable)
+        if len(layout.axes) != len(variable.shape):
+            raise ValueError(
+                f"The layout for {variable.path!r} has {len(layout.axes)} axes "
+                f"{layout.axes} but the variable has shape {tuple(variable.shape)}. "
+                "Give one mesh axis or None per dimension."
+            )
+        return layout
+
+    def get_tensor_layout(self, path: str) -> Any:
+        return self._on_mesh(self._layout_map[path])
