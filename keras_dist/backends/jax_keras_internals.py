@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 from keras.src import backend as keras_backend
 from keras.src.backend.jax import trainer as jax_trainer
@@ -18,6 +19,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dist.padding import MaskedBatch
 
+_KERAS_COMPUTE_METRICS = jax_trainer.JAXTrainer.compute_metrics
 _original_get_iterator = jax_trainer.JAXEpochIterator._get_iterator
 _batch_source: list[Callable[[Iterator[Any]], Iterator[Any]]] = []
 
@@ -53,6 +55,12 @@ def check() -> list[str]:
     model.compile(loss="mse")
     if not hasattr(model, "_loss_tracker"):
         missing.append("Trainer._loss_tracker")
+    model.compile(loss="mse", metrics=["mae"], weighted_metrics=["mse"])
+    model.evaluate(np.zeros((2, 1)), np.zeros((2, 1)), verbose=0)
+    compiled = getattr(model, "_compile_metrics", None)
+    for name in ("_flatten_y", "_flat_metrics", "_flat_weighted_metrics", "built"):
+        if compiled is None or not hasattr(compiled, name):
+            missing.append(f"CompileMetrics.{name}")
     return missing
 
 
@@ -101,15 +109,46 @@ def _row_weights(mask: Any, sample_weight: Any) -> Any:
     return sample_weight * mask
 
 
+def _update_compiled_metrics(
+    model: Any, y: Any, y_pred: Any, mask: Any, weights: Any
+) -> Any:
+    """`compute_metrics`, but padded rows count in neither kind of metric.
+
+    Keras hands `sample_weight` only to `weighted_metrics`; `metrics` ignore it
+    and would count the padding, so they get the mask as their weight.
+    """
+    compiled = model._compile_metrics
+    if compiled is not None:
+        if not compiled.built:
+            compiled.build(y, y_pred)
+        flat_true = compiled._flatten_y(y)
+        flat_pred = compiled._flatten_y(y_pred)
+        for metric, y_true, y_out in zip(
+            compiled._flat_metrics, flat_true, flat_pred, strict=True
+        ):
+            if metric:
+                metric.update_state(y_true, y_out, sample_weight=mask)
+        for metric, y_true, y_out in zip(
+            compiled._flat_weighted_metrics, flat_true, flat_pred, strict=True
+        ):
+            if metric:
+                metric.update_state(y_true, y_out, sample_weight=weights)
+    return model.get_metrics_result()
+
+
 def _update_metrics(
     model: Any, metrics_variables: Any, loss: Any, real_rows: Any, batch: Any
 ) -> tuple[Any, list[Any]]:
-    x, y, y_pred, weights = batch
+    x, y, y_pred, mask, weights = batch
     mapping = list(zip(model.metrics_variables, metrics_variables, strict=True))
     with keras_backend.StatelessScope(state_mapping=mapping) as scope:
         # Keras weighs the loss by the padded batch size; only real rows count.
         model._loss_tracker.update_state(loss, sample_weight=real_rows)
-        logs = model.compute_metrics(x, y, y_pred, weights)
+        if type(model).compute_metrics is _KERAS_COMPUTE_METRICS:
+            logs = _update_compiled_metrics(model, y, y_pred, mask, weights)
+        else:
+            # A model's own compute_metrics sees the padding as zero weights.
+            logs = model.compute_metrics(x, y, y_pred, mask, weights)
     new_values = []
     for ref_variable, value in mapping:
         current = scope.get_current_value(ref_variable)
@@ -132,7 +171,7 @@ def masked_train_step(
     model: Any, state: Any, batch: MaskedBatch, value_and_grad: Callable
 ) -> Any:
     trainable, non_trainable, optimizer_variables, metrics_variables = state
-    x, y, weights, loss_weights, real_rows, _ = _split(batch)
+    x, y, weights, loss_weights, real_rows, mask = _split(batch)
     grad_fn = value_and_grad(model.compute_loss_and_updates, has_aux=True)
     (_, aux), grads = grad_fn(
         trainable,
@@ -149,14 +188,14 @@ def masked_train_step(
         optimizer_variables, grads, trainable
     )
     logs, metrics_variables = _update_metrics(
-        model, metrics_variables, loss, real_rows, (x, y, y_pred, weights)
+        model, metrics_variables, loss, real_rows, (x, y, y_pred, mask, weights)
     )
     return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
 
 
 def masked_test_step(model: Any, state: Any, batch: MaskedBatch) -> Any:
     trainable, non_trainable, metrics_variables = state
-    x, y, weights, loss_weights, real_rows, _ = _split(batch)
+    x, y, weights, loss_weights, real_rows, mask = _split(batch)
     _, aux = model.compute_loss_and_updates(
         trainable,
         non_trainable,
@@ -168,7 +207,7 @@ def masked_test_step(model: Any, state: Any, batch: MaskedBatch) -> Any:
     )
     loss, y_pred, non_trainable, metrics_variables = aux
     logs, metrics_variables = _update_metrics(
-        model, metrics_variables, loss, real_rows, (x, y, y_pred, weights)
+        model, metrics_variables, loss, real_rows, (x, y, y_pred, mask, weights)
     )
     return logs, (trainable, non_trainable, metrics_variables)
 
