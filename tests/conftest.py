@@ -1,0 +1,30 @@
+"""Test set-up: the Keras backend is fixed per process (`KERAS_BACKEND`).
+
+Run the suite once per backend (`tests/run_all_backends.sh` does). Tests marked
+`@pytest.mark.backend("jax")` run only under that backend. JAX and TensorFlow
+runs set `KERAS_DIST_CPU_DEVICES=8` so that 8 simulated CPU devices exist.
+"""
+
+from __future__ import annotations
+
+import keras
+import pytest
+
+BACKEND = keras.backend.backend()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("backend")
+        if marker is not None and BACKEND not in marker.args:
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs backend {marker.args}, running {BACKEND}")
+            )
+
+
+@pytest.fixture(autouse=True)
+def _no_distribution_leaks():
+    """Every test starts and ends with no global distribution."""
+    keras.distribution.set_distribution(None)
+    yield
+    keras.distribution.set_distribution(None)
