@@ -150,10 +150,8 @@ class JaxAdapter(BackendAdapter):
         return jax.device_put(tensor, sharding)
 
     def activate(self, model: Any, distribution: Any) -> None:
-        for variable in _all_variables(model):
-            internals.relayout_variable(
-                variable, distribution.layout_for_variable(variable)
-            )
+        for variable, layout in _layouts_for(model, distribution):
+            internals.relayout_variable(variable, layout)
         internals.route_batches(
             lambda batches: DistributedBatches(batches, distribution)
         )
@@ -164,16 +162,30 @@ class JaxAdapter(BackendAdapter):
         internals.unroute_batches()
 
 
-def _all_variables(model: Any) -> list[Any]:
-    seen: dict[int, Any] = {}
-    groups = [model.variables, model.metrics_variables]
+def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
+    """Every variable of `model` and its optimizer, with the layout it gets.
+
+    Optimizer slots follow the layout of the variable they mirror.
+    """
+    planned: dict[int, tuple[Any, Any]] = {}
+    for variable in [*model.variables, *model.metrics_variables]:
+        if id(variable) not in planned:
+            planned[id(variable)] = (
+                variable,
+                distribution.layout_for_variable(variable),
+            )
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and getattr(optimizer, "built", False):
-        groups.append(optimizer.variables)
-    for group in groups:
-        for variable in group:
-            seen.setdefault(id(variable), variable)
-    return list(seen.values())
+    if optimizer is not None and optimizer.built:
+        owners = internals.slot_owners(optimizer, model.trainable_variables)
+        for variable in optimizer.variables:
+            owner = owners.get(id(variable))
+            if owner is not None:
+                layout = planned[id(owner)][1]
+            else:
+                layout = distribution.layout_for_variable(variable)
+            planned[id(variable)] = (variable, layout)
+    return list(planned.values())
 
 
+internals.install_batch_routing()
 ADAPTER = JaxAdapter()

@@ -47,6 +47,12 @@ def check() -> list[str]:
         variable = keras.Variable(0.0)
         if not hasattr(variable, name):
             missing.append(f"Variable.{name}")
+    dense = keras.layers.Dense(2, name="probe")
+    dense.build((None, 3))
+    sgd = keras.optimizers.SGD(momentum=0.9)
+    sgd.build(dense.trainable_variables)
+    if len(slot_owners(sgd, dense.trainable_variables)) != 2:
+        missing.append("Optimizer.add_variable_from_reference slot naming")
     if not hasattr(keras_backend, "StatelessScope"):
         missing.append("keras.src.backend.StatelessScope")
     if not hasattr(data_adapter_utils, "unpack_x_y_sample_weight"):
@@ -65,10 +71,29 @@ def check() -> list[str]:
 
 
 # -- input batches -------------------------------------------------------------
+def _is_keras_dist_policy(distribution: Any) -> bool:
+    from keras_dist.policies import Distribution  # noqa: PLC0415 (import cycle)
+
+    return isinstance(distribution, Distribution)
+
+
 def _patched_get_iterator(epoch_iterator: Any) -> Any:
-    if not _batch_source:
-        return _original_get_iterator(epoch_iterator)
-    return _batch_source[-1](epoch_iterator.data_adapter.get_jax_iterator())
+    if _batch_source:
+        return _batch_source[-1](epoch_iterator.data_adapter.get_jax_iterator())
+    if _is_keras_dist_policy(keras.distribution.distribution()):
+        # A keras_dist policy is global but no run is active (Keras pulling a
+        # batch to build the model before the run starts, or a plain `fit`):
+        # host arrays, which jit places itself, whatever their batch size.
+        return epoch_iterator.data_adapter.get_jax_iterator()
+    return _original_get_iterator(epoch_iterator)
+
+
+def install_batch_routing() -> None:
+    """Route Keras JAX epochs through keras_dist while a keras_dist policy is on.
+
+    Keras' own distributions keep Keras' own behaviour.
+    """
+    jax_trainer.JAXEpochIterator._get_iterator = _patched_get_iterator
 
 
 def route_batches(source: Callable[[Iterator[Any]], Iterator[Any]]) -> None:
@@ -77,15 +102,13 @@ def route_batches(source: Callable[[Iterator[Any]], Iterator[Any]]) -> None:
     Keras builds its per-epoch iterator lazily, so routing before the first
     epoch (from `Callback.set_model`) covers the whole `fit`.
     """
-    jax_trainer.JAXEpochIterator._get_iterator = _patched_get_iterator
+    install_batch_routing()
     _batch_source.append(source)
 
 
 def unroute_batches() -> None:
     if _batch_source:
         _batch_source.pop()
-    if not _batch_source:
-        jax_trainer.JAXEpochIterator._get_iterator = _original_get_iterator
 
 
 # -- variables -----------------------------------------------------------------
@@ -95,8 +118,27 @@ def relayout_variable(variable: Any, layout: Any) -> None:
     variable._direct_assign(variable.value)
 
 
-def variable_layout(variable: Any) -> Any:
-    return getattr(variable, "_layout", None)
+def slot_owners(optimizer: Any, model_variables: list[Any]) -> dict[int, Any]:
+    """Map each optimizer slot (by `id`) to the model variable it mirrors.
+
+    Keras names a slot `"<variable path with _ for />_<slot name>"` and gives
+    it the variable's shape (`Optimizer.add_variable_from_reference`); the
+    longest matching prefix of the same shape is the owner.
+    """
+    prefixes = [
+        (variable.path.replace("/", "_") + "_", variable)
+        for variable in model_variables
+    ]
+    prefixes.sort(key=lambda item: len(item[0]), reverse=True)
+    owners: dict[int, Any] = {}
+    for slot in optimizer.variables:
+        for prefix, variable in prefixes:
+            if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(
+                variable.shape
+            ):
+                owners[id(slot)] = variable
+                break
+    return owners
 
 
 # -- step functions that honour a padding mask ---------------------------------
@@ -288,5 +330,5 @@ __all__ = [
     "reset_compiled_functions",
     "route_batches",
     "unroute_batches",
-    "variable_layout",
+    "slot_owners",
 ]

@@ -1,0 +1,153 @@
+"""JAX data parallelism: keras_dist against Keras' own `DataParallel`.
+
+Both candidates train the same MLP, built from the same seed, on the same
+synthetic data with the same global batch, on 8 simulated CPU devices:
+
+- `keras_dist`: the model is built with no distribution, then each `fit` gets
+  `kd.DistributeCallback(kd.DataParallel())`.
+- `native`: `keras.distribution.DataParallel()` is made current *before* the
+  model is built (Keras requires that order) and stays current for every `fit`.
+
+The callback activates the distribution for one `fit` and recompiles the step
+each time, so steady-state step time is measured within a fit (see
+`benchmarks/harness.py`); the per-fit cost shows as the first-step time.
+
+Run on its own (the runner sets the environment for you):
+
+```shell
+KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 PYTHONPATH=. \
+    python benchmarks/entries/jax_data_parallel.py --repeats 3
+```
+"""
+
+from __future__ import annotations
+
+# keras_dist first: importing it applies KERAS_DIST_CPU_DEVICES before JAX starts.
+import keras_dist as kd  # isort: skip
+
+import jax
+import keras
+import numpy as np
+
+from benchmarks.harness import Candidate, entry_arguments, run_interleaved, write_result
+
+DEVICES = 8
+GLOBAL_BATCH = 512
+FEATURES = 256
+HIDDEN = 512
+CLASSES = 10
+SEED = 1234
+
+
+def build_model() -> keras.Model:
+    keras.utils.set_random_seed(SEED)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(CLASSES),
+        ],
+        name="mlp",
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def synthetic_data(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(SEED)
+    x = rng.normal(size=(rows, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, size=(rows,)).astype("int32")
+    return x, y
+
+
+def devices_holding(model: keras.Model) -> int:
+    """How many devices the model's first kernel lives on."""
+    return len(model.trainable_variables[0].value.sharding.device_set)
+
+
+def main() -> None:
+    args = entry_arguments(__doc__.splitlines()[0])
+    present = jax.local_device_count("cpu")
+    if present != DEVICES:
+        raise RuntimeError(
+            f"This entry needs {DEVICES} CPU devices; JAX has {present}. Set "
+            f"KERAS_DIST_CPU_DEVICES={DEVICES} (run.py does)."
+        )
+    x, y = synthetic_data(max(args.steps, args.warmup_steps) * GLOBAL_BATCH)
+
+    # Built before any distribution exists: what keras_dist users do.
+    kd_model = build_model()
+    kd_distribution = kd.DataParallel()
+
+    native_distribution = keras.distribution.DataParallel()
+    with native_distribution.scope():
+        native_model = build_model()
+
+    def fit_kd(steps: int, callbacks: list) -> keras.callbacks.History:
+        rows = steps * GLOBAL_BATCH
+        return kd_model.fit(
+            x[:rows],
+            y[:rows],
+            batch_size=GLOBAL_BATCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(kd_distribution), *callbacks],
+        )
+
+    def fit_native(steps: int, callbacks: list) -> keras.callbacks.History:
+        rows = steps * GLOBAL_BATCH
+        with native_distribution.scope():
+            return native_model.fit(
+                x[:rows],
+                y[:rows],
+                batch_size=GLOBAL_BATCH,
+                shuffle=False,
+                verbose=0,
+                callbacks=callbacks,
+            )
+
+    candidates = [
+        Candidate("keras_dist", "fit + kd.DistributeCallback(kd.DataParallel())", fit_kd),
+        Candidate(
+            "native", "keras.distribution.DataParallel() set before build", fit_native
+        ),
+    ]
+    timings = run_interleaved(
+        candidates,
+        repeats=args.repeats,
+        steps=args.steps,
+        skip_steps=args.skip_steps,
+        warmup_steps=args.warmup_steps,
+    )
+    params = kd_model.count_params()
+    result = {
+        "entry": "jax_data_parallel",
+        "backend": keras.backend.backend(),
+        "devices": DEVICES,
+        "global_batch": GLOBAL_BATCH,
+        "steps": args.steps,
+        "skip_steps": args.skip_steps,
+        "repeats": args.repeats,
+        "model": f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, {params:,} params, Adam",
+        "baseline": "native",
+        "devices_used": {
+            "keras_dist": devices_holding(kd_model),
+            "native": devices_holding(native_model),
+        },
+        "versions": {
+            "keras": keras.__version__,
+            "jax": jax.__version__,
+            "keras_dist": kd.__version__,
+        },
+        **timings,
+    }
+    write_result(args.json_out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""In-process helpers shared by the benchmark entries.
+
+An entry module builds its candidates (keras_dist and the native way), then
+calls `run_interleaved` and `write_result`. The runner (`benchmarks/run.py`)
+starts each entry in its own process, because the Keras backend and the device
+count are fixed once a process has started them.
+
+How a step is timed: `StepTimer` stamps `time.perf_counter()` at every
+`on_train_batch_end`. Because it overrides that hook, Keras dispatches batch-end
+callbacks synchronously and turns the step's logs into Python floats first, so
+each stamp is taken after the step has really finished on the devices. The
+difference between two consecutive stamps is then one whole loop iteration:
+fetching and placing the batch, dispatching the compiled step, running it and
+reading its logs back. Host-side overhead is therefore not hidden behind
+asynchronous dispatch. The first steps of each fit are skipped, so the
+compilation that happens at the start of a fit is excluded (it is reported
+separately as the first-step time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Records when `fit` starts and when each training step ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_begin = 0.0
+        self.batch_ends: list[float] = []
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.batch_ends = []
+        self.train_begin = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.batch_ends.append(time.perf_counter())
+
+    def step_times(self, skip_steps: int) -> list[float]:
+        """Seconds per step, leaving out the first `skip_steps` steps."""
+        stamps = self.batch_ends[skip_steps:]
+        return [end - begin for begin, end in zip(stamps, stamps[1:])]
+
+    @property
+    def first_step_s(self) -> float:
+        """From `on_train_begin` to the end of step 0 (includes compilation)."""
+        return self.batch_ends[0] - self.train_begin
+
+
+@dataclass
+class Candidate:
+    """One way to train, e.g. keras_dist or the backend's native way.
+
+    Attributes:
+        name: short key used in tables and JSON, e.g. `"keras_dist"`.
+        label: what the candidate does, in a few words.
+        fit: runs one `fit` of the requested number of steps with the extra
+            callbacks it is given (the timer), and returns the `History`.
+    """
+
+    name: str
+    label: str
+    fit: Callable[[int, list[Any]], Any]
+
+
+def _fit_once(
+    candidate: Candidate, steps: int, skip_steps: int
+) -> tuple[dict[str, Any], Any]:
+    timer = StepTimer()
+    start = time.perf_counter()
+    history = candidate.fit(steps, [timer])
+    wall = time.perf_counter() - start
+    if len(timer.batch_ends) != steps:
+        raise RuntimeError(
+            f"Candidate {candidate.name!r} ran {len(timer.batch_ends)} steps; "
+            f"the benchmark asked for {steps}."
+        )
+    times = timer.step_times(skip_steps)
+    record = {
+        "median_step_s": statistics.median(times),
+        "mean_step_s": statistics.fmean(times),
+        "first_step_s": timer.first_step_s,
+        "fit_wall_s": wall,
+        "timed_steps": len(times),
+    }
+    return record, history
+
+
+def _log_to_stderr(message: str) -> None:
+    # stdout may carry the JSON result; progress goes to stderr.
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_interleaved(
+    candidates: Sequence[Candidate],
+    *,
+    repeats: int,
+    steps: int,
+    skip_steps: int,
+    warmup_steps: int,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Warm every candidate up, then time them in turns: A, B, A, B, ...
+
+    Interleaving within one process means a slow spell of the machine (another
+    job, frequency scaling) hits every candidate alike instead of biasing one.
+
+    Returns:
+        `{"candidates": [...], "warmup_loss": {...}}` where each candidate
+        holds one record per repetition (see `_fit_once`).
+    """
+    if steps < skip_steps + 2:
+        raise ValueError(
+            f"`steps` must leave at least 2 timed steps after skipping "
+            f"{skip_steps}. Received: steps={steps}"
+        )
+    log = log or _log_to_stderr
+    warmup_loss = {}
+    for candidate in candidates:
+        start = time.perf_counter()
+        history = candidate.fit(warmup_steps, [])
+        warmup_loss[candidate.name] = float(history.history["loss"][-1])
+        log(f"warm-up {candidate.name}: {time.perf_counter() - start:.2f} s")
+    records: dict[str, list[dict[str, Any]]] = {c.name: [] for c in candidates}
+    for repeat in range(repeats):
+        for candidate in candidates:
+            record, _ = _fit_once(candidate, steps, skip_steps)
+            records[candidate.name].append(record)
+            log(
+                f"repeat {repeat + 1}/{repeats} {candidate.name}: "
+                f"median step {record['median_step_s'] * 1e3:.2f} ms, "
+                f"first step {record['first_step_s']:.2f} s"
+            )
+    return {
+        "candidates": [
+            {"name": c.name, "label": c.label, "repeats": records[c.name]}
+            for c in candidates
+        ],
+        "warmup_loss": warmup_loss,
+    }
+
+
+def entry_arguments(description: str) -> argparse.Namespace:
+    """The command line every entry accepts (the runner passes all of it)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--skip-steps", type=int, default=5)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument(
+        "--json-out", default="-", help="where to write the result; - is stdout"
+    )
+    return parser.parse_args()
+
+
+def write_result(path: str, result: dict[str, Any]) -> None:
+    text = json.dumps(result, indent=2)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        return
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
