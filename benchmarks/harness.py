@@ -49,7 +49,7 @@ class StepTimer(keras.callbacks.Callback):
     def step_times(self, skip_steps: int) -> list[float]:
         """Seconds per step, leaving out the first `skip_steps` steps."""
         stamps = self.batch_ends[skip_steps:]
-        return [end - begin for begin, end in zip(stamps, stamps[1:])]
+        return [end - begin for begin, end in zip(stamps, stamps[1:], strict=False)]
 
     @property
     def first_step_s(self) -> float:

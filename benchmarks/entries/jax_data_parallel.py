@@ -112,7 +112,9 @@ def main() -> None:
             )
 
     candidates = [
-        Candidate("keras_dist", "fit + kd.DistributeCallback(kd.DataParallel())", fit_kd),
+        Candidate(
+            "keras_dist", "fit + kd.DistributeCallback(kd.DataParallel())", fit_kd
+        ),
         Candidate(
             "native", "keras.distribution.DataParallel() set before build", fit_native
         ),

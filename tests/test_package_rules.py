@@ -1,0 +1,63 @@
+"""Architecture rules that keep the package honest."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_dist"
+BACKEND_IMPORT = re.compile(r"^\s*(import|from)\s+(jax|torch|tensorflow)\b", re.M)
+
+
+def test_only_backend_adapters_import_jax_torch_or_tensorflow():
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if BACKEND_IMPORT.search(path.read_text())
+        and not (path.parent.name == "backends" and path.name.endswith("_adapter.py"))
+    ]
+    assert offenders == []
+
+
+def test_keras_private_imports_stay_in_the_compat_modules():
+    allowed = {"_keras_compat.py", "jax_keras_internals.py"}
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if "keras.src" in path.read_text() and path.name not in allowed
+    ]
+    assert offenders == []
+
+
+def test_no_pass_bodies_in_the_package():
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if re.search(r"^\s+pass\s*$", path.read_text(), re.M)
+    ]
+    assert offenders == []
+
+
+def test_cli_devices_reports_this_process():
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_dist", "devices", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    )
+    line = result.stdout.strip().splitlines()[-1]
+    assert '"num_processes": 1' in line and '"devices": ["' in line
+
+
+def test_cli_launch_says_it_is_not_implemented_yet():
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_dist", "launch", "--nproc-per-node", "2", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 2
+    assert "not implemented yet" in result.stderr
