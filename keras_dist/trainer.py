@@ -30,7 +30,7 @@ class Trainer:
     model = Net(distribution=keras_dist.DataParallel())
     # Functional models work too:
     class Functional(keras_dist.Trainer, keras.Model):
-        """A functional model that trains under a distribution."""
+        ...  # nothing to add: the mixin does the work
 
     model = Functional(inputs, outputs, distribution=keras_dist.DataParallel())
     ```
