@@ -135,15 +135,19 @@ class DeviceMesh(keras.distribution.DeviceMesh):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, keras.distribution.DeviceMesh):
             return NotImplemented
-        return (
-            tuple(self.shape) == tuple(other.shape)
-            and list(self.axis_names) == list(other.axis_names)
-            and [str(d) for d in self.devices.reshape(-1)]
-            == [str(d) for d in np.asarray(other.devices).reshape(-1)]
-        )
+        return describe_mesh(self) == describe_mesh(other)
 
     def __hash__(self) -> int:
         return hash((self.shape, tuple(self.axis_names)))
+
+
+def describe_mesh(device_mesh: Any) -> str:
+    """Shape, axis names and devices of any mesh (keras_dist's or Keras')."""
+    devices = [str(d) for d in np.asarray(device_mesh.devices).reshape(-1)]
+    return (
+        f"DeviceMesh(shape={tuple(device_mesh.shape)}, "
+        f"axis_names={list(device_mesh.axis_names)}, devices={devices})"
+    )
 
 
 def validate_axes_in_mesh(axes: Sequence[str | None], device_mesh: Any) -> None:

@@ -6,12 +6,23 @@ import warnings
 from typing import Any
 
 import keras
+import numpy as np
 
 from keras_dist import runtime
 from keras_dist._keras_compat import KerasDistribution
-from keras_dist.mesh import DeviceMesh, TensorLayout, validate_axes_in_mesh
+from keras_dist.mesh import (
+    DeviceMesh,
+    TensorLayout,
+    describe_mesh,
+    validate_axes_in_mesh,
+)
 
 DEFAULT_BATCH_DIM_NAME = "batch"
+
+
+def same_mesh(first: Any, second: Any) -> bool:
+    """Whether two meshes have the same shape, axis names and devices."""
+    return first is second or describe_mesh(first) == describe_mesh(second)
 
 
 def _check_mesh(device_mesh: Any) -> Any:
@@ -142,12 +153,18 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
         if device_mesh is None:
             if devices is None:
                 devices = runtime.list_devices()
-            if isinstance(devices, str):
+            if isinstance(devices, str) or not isinstance(
+                devices, (list, tuple, np.ndarray)
+            ):
                 raise TypeError(
-                    f"`devices` must be a list of device names. Received: "
-                    f"devices={devices!r}"
+                    "`devices` must be a list of device names such as "
+                    f"['cpu:0', 'cpu:1']. Received: devices={devices!r}"
                 )
-            devices = list(devices)
+            devices = list(np.asarray(devices, dtype=object).reshape(-1))
+            if not devices:
+                raise ValueError(
+                    "`devices` must name at least one device. Received: devices=[]"
+                )
             device_mesh = DeviceMesh((len(devices),), [DEFAULT_BATCH_DIM_NAME], devices)
         _check_mesh(device_mesh)
         if len(device_mesh.shape) != 1:
@@ -212,15 +229,11 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
                 "LayoutMap with one."
             )
         _check_mesh(device_mesh)
-        if (
-            map_mesh is not None
-            and map_mesh is not device_mesh
-            and not (isinstance(device_mesh, DeviceMesh) and device_mesh == map_mesh)
-        ):
+        if map_mesh is not None and not same_mesh(device_mesh, map_mesh):
             raise ValueError(
                 "`device_mesh` and `layout_map.device_mesh` differ; pass one of "
-                f"them. Received: device_mesh={device_mesh}, "
-                f"layout_map.device_mesh={map_mesh}"
+                f"them. Received: device_mesh={describe_mesh(device_mesh)}, "
+                f"layout_map.device_mesh={describe_mesh(map_mesh)}"
             )
         for key in layout_map:
             layout = layout_map[key]

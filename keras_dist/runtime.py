@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from keras_dist.backends import get_adapter
 
 _DEVICE_TYPES = ("cpu", "gpu", "tpu")
@@ -57,16 +59,23 @@ def process_id() -> int:
 
 
 def _int_or_none(name: str, value: object) -> int | None:
-    if value is None or value == "":
+    """An explicit argument: an int or None; anything else, a fraction or a
+    string included, is an error."""
+    if value is None:
         return None
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"`{name}` must be an int. Received: {name}={value!r}")
-    try:
-        return int(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"`{name}` must be an int. Received: {name}={value!r}"
-        ) from None
+    return int(value)
+
+
+def _env_int(name: str) -> int | None:
+    """An environment variable holding a whole number, or None when unset."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.lstrip("-").isdigit():
+        raise ValueError(f"{name} must be a whole number. Received: {name}={raw!r}")
+    return int(raw)
 
 
 def _validate_address(address: str) -> str:
@@ -93,17 +102,12 @@ def resolve_cluster(
     env = os.environ
     if job_addresses is None:
         job_addresses = env.get("KERAS_DISTRIBUTION_JOB_ADDRESSES") or None
-    if num_processes is None:
-        num_processes = _int_or_none(
-            "KERAS_DISTRIBUTION_NUM_PROCESSES",
-            env.get("KERAS_DISTRIBUTION_NUM_PROCESSES"),
-        )
-    if process_id is None:
-        process_id = _int_or_none(
-            "KERAS_DISTRIBUTION_PROCESS_ID", env.get("KERAS_DISTRIBUTION_PROCESS_ID")
-        )
     num_processes = _int_or_none("num_processes", num_processes)
     process_id = _int_or_none("process_id", process_id)
+    if num_processes is None:
+        num_processes = _env_int("KERAS_DISTRIBUTION_NUM_PROCESSES")
+    if process_id is None:
+        process_id = _env_int("KERAS_DISTRIBUTION_PROCESS_ID")
 
     addresses: list[str] = []
     if job_addresses is not None:
@@ -117,7 +121,8 @@ def resolve_cluster(
         num_processes = len(addresses) if len(addresses) > 1 else 1
     if num_processes < 1:
         raise ValueError(
-            f"`num_processes` must be at least 1. Received: num_processes={num_processes}"
+            "`num_processes` must be at least 1. Received: "
+            f"num_processes={num_processes}"
         )
     if len(addresses) > 1 and len(addresses) != num_processes:
         raise ValueError(
@@ -168,9 +173,14 @@ def initialize(
     """
     coordinator, count, rank = resolve_cluster(job_addresses, num_processes, process_id)
     if timeout_seconds is None:
-        timeout_seconds = float(
-            os.environ.get("KERAS_DIST_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT_SECONDS)
-        )
+        raw = os.environ.get("KERAS_DIST_INIT_TIMEOUT", "")
+        try:
+            timeout_seconds = float(raw) if raw else DEFAULT_INIT_TIMEOUT_SECONDS
+        except ValueError:
+            raise ValueError(
+                "KERAS_DIST_INIT_TIMEOUT must be a positive number of seconds. "
+                f"Received: KERAS_DIST_INIT_TIMEOUT={raw!r}"
+            ) from None
     if timeout_seconds <= 0:
         raise ValueError(
             f"`timeout_seconds` must be positive. Received: {timeout_seconds}"

@@ -18,7 +18,9 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("backend")
         if marker is not None and BACKEND not in marker.args:
             item.add_marker(
-                pytest.mark.skip(reason=f"needs backend {marker.args}, running {BACKEND}")
+                pytest.mark.skip(
+                    reason=f"needs backend {marker.args}, running {BACKEND}"
+                )
             )
 
 

@@ -87,16 +87,25 @@ def _fit_evaluate_predict(model, callbacks_factory, sample_weight=None):
         callbacks=callbacks_factory(),
     )
     evaluation = model.evaluate(
-        x, y, batch_size=BATCH, verbose=0, return_dict=True, callbacks=callbacks_factory()
+        x,
+        y,
+        batch_size=BATCH,
+        verbose=0,
+        return_dict=True,
+        callbacks=callbacks_factory(),
     )
-    predictions = model.predict(x, batch_size=BATCH, verbose=0, callbacks=callbacks_factory())
+    predictions = model.predict(
+        x, batch_size=BATCH, verbose=0, callbacks=callbacks_factory()
+    )
     return history.history, evaluation, predictions
 
 
 def _assert_same_training(reference, candidate, reference_model, candidate_model):
     ref_history, ref_eval, ref_pred = reference
     history, evaluation, predictions = candidate
-    for a, b in zip(reference_model.get_weights(), candidate_model.get_weights(), strict=True):
+    for a, b in zip(
+        reference_model.get_weights(), candidate_model.get_weights(), strict=True
+    ):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     assert history.keys() == ref_history.keys()
     for key in ref_history:
@@ -109,7 +118,9 @@ def _assert_same_training(reference, candidate, reference_model, candidate_model
 
 @pytest.fixture(scope="module")
 def single_device_run():
-    assert len(keras.distribution.list_devices()) == 8, "run with KERAS_DIST_CPU_DEVICES=8"
+    assert len(keras.distribution.list_devices()) == 8, (
+        "run with KERAS_DIST_CPU_DEVICES=8"
+    )
     model = _sequential()
     return model, _fit_evaluate_predict(model, lambda: [])
 
@@ -133,7 +144,9 @@ def test_sample_weights_and_padding_match_single_device():
     x, y = _data()
     weights = np.linspace(0.1, 2.0, SAMPLES).astype("float32")
     reference_model = _sequential()
-    reference = _fit_evaluate_predict(reference_model, lambda: [], sample_weight=weights)
+    reference = _fit_evaluate_predict(
+        reference_model, lambda: [], sample_weight=weights
+    )
     model = _sequential()
     distribution = kd.DataParallel()
     result = _fit_evaluate_predict(
@@ -239,7 +252,10 @@ def test_model_parallel_relayouts_a_layer_output():
     assert tuple(outputs.sharding.spec) == ("batch", "model")
     assert {s.data.shape for s in outputs.addressable_shards} == {(4, 4)}
     # Variables created under the scope got their layout at creation.
-    assert tuple(model.get_layer("hidden").kernel.value.sharding.spec) == (None, "model")
+    assert tuple(model.get_layer("hidden").kernel.value.sharding.spec) == (
+        None,
+        "model",
+    )
 
 
 def test_trainer_with_model_parallel(single_device_run):
@@ -256,5 +272,8 @@ def test_keras_alone_fails_on_a_model_built_before_the_distribution():
     model = _sequential()
     x, y = _data()
     keras.distribution.set_distribution(keras.distribution.DataParallel())
-    with pytest.raises(ValueError, match="incompatible devices"), pytest.warns(UserWarning):
+    with (
+        pytest.raises(ValueError, match="incompatible devices"),
+        pytest.warns(UserWarning),
+    ):
         model.fit(x, y, batch_size=16, verbose=0)

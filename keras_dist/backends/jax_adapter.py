@@ -97,7 +97,13 @@ class JaxAdapter(BackendAdapter):
                 ) from None
 
     def list_devices(self, device_type: str | None = None) -> list[str]:
-        return [_device_name(device) for device in jax.devices(device_type)]
+        try:
+            devices = jax.devices(device_type)
+        except RuntimeError:
+            if device_type is None:
+                raise
+            return []  # like torch and TensorFlow: no such devices here
+        return [_device_name(device) for device in devices]
 
     def local_device_count(self, device_type: str | None = None) -> int:
         return jax.local_device_count(device_type)

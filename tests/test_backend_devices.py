@@ -1,0 +1,294 @@
+"""Devices, processes and the not-yet-implemented paths of each backend adapter.
+
+JAX and TensorFlow runs of the suite set `KERAS_DIST_CPU_DEVICES=8`; PyTorch
+runs leave it unset and have one CPU device per process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist import runtime
+from keras_dist.backends import get_adapter
+
+BACKEND = keras.backend.backend()
+CPU_DEVICES = (
+    1 if BACKEND == "torch" else int(os.environ.get("KERAS_DIST_CPU_DEVICES") or 1)
+)
+DEVICE_NAME = re.compile(r"^(cpu|gpu|tpu):\d+$")
+NOT_YET = {
+    "torch": "not implemented yet for the PyTorch backend",
+    "tensorflow": "not implemented yet for the TensorFlow backend",
+}.get(BACKEND, "")
+
+
+@pytest.fixture
+def no_cluster_env(monkeypatch):
+    for name in (
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+        "KERAS_DISTRIBUTION_NUM_PROCESSES",
+        "KERAS_DISTRIBUTION_PROCESS_ID",
+        "KERAS_DIST_INIT_TIMEOUT",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+# -- devices and processes, every backend ------------------------------------------
+def test_cpu_devices_are_named_cpu_n():
+    assert kd.list_devices("cpu") == [f"cpu:{i}" for i in range(CPU_DEVICES)]
+    assert kd.get_device_count("cpu") == CPU_DEVICES
+
+
+def test_default_devices_are_device_names():
+    devices = kd.list_devices()
+    assert devices
+    assert all(DEVICE_NAME.match(device) for device in devices), devices
+    assert len(set(devices)) == len(devices)
+    assert kd.get_device_count() == len(devices)
+    assert runtime.get_device_count(None) == len(devices)
+
+
+@pytest.mark.backend("jax", "tensorflow")
+def test_simulated_cpu_devices_count():
+    if not os.environ.get("KERAS_DIST_CPU_DEVICES"):
+        pytest.skip("KERAS_DIST_CPU_DEVICES is not set")
+    count = int(os.environ["KERAS_DIST_CPU_DEVICES"])
+    assert kd.list_devices("cpu") == [f"cpu:{i}" for i in range(count)]
+
+
+@pytest.mark.backend("torch")
+def test_torch_has_one_cpu_device_per_process():
+    assert kd.list_devices("cpu") == ["cpu:0"]
+    assert get_adapter().local_device_count("cpu") == 1
+
+
+def test_local_device_count_in_one_process():
+    assert get_adapter().local_device_count("cpu") == CPU_DEVICES
+
+
+def test_absent_device_type_lists_no_devices():
+    assert kd.list_devices("tpu") == []
+    assert kd.get_device_count("tpu") == 0
+
+
+def test_one_process():
+    assert kd.num_processes() == 1
+    assert kd.process_id() == 0
+    assert get_adapter().num_processes() == 1
+    assert get_adapter().process_id() == 0
+
+
+def test_adapter_serves_this_backend():
+    assert get_adapter().name == BACKEND
+    assert get_adapter() is get_adapter()
+
+
+def test_initialize_without_arguments_is_a_no_op(monkeypatch, no_cluster_env):
+    def fail(*args, **kwargs):
+        raise AssertionError("a single process must not join a job")
+
+    monkeypatch.setattr(get_adapter(), "initialize", fail)
+    assert kd.initialize() is None
+    assert runtime._initialized == {}
+    assert kd.num_processes() == 1
+    assert kd.process_id() == 0
+
+
+@pytest.mark.backend("jax", "tensorflow")
+def test_simulating_the_present_count_again_is_a_no_op():
+    kd.list_devices("cpu")  # the runtime has started
+    get_adapter().simulate_cpu_devices(CPU_DEVICES)
+    assert kd.get_device_count("cpu") == CPU_DEVICES
+
+
+@pytest.mark.backend("jax", "tensorflow")
+def test_simulating_another_count_after_start_is_too_late():
+    kd.list_devices("cpu")  # the runtime has started
+    with pytest.raises(RuntimeError, match=f"={CPU_DEVICES + 1} came too late"):
+        get_adapter().simulate_cpu_devices(CPU_DEVICES + 1)
+    assert kd.get_device_count("cpu") == CPU_DEVICES
+
+
+@pytest.mark.backend("torch")
+def test_torch_cannot_simulate_cpu_devices():
+    with pytest.raises(NotImplementedError, match="KERAS_DIST_CPU_DEVICES=2") as info:
+        get_adapter().simulate_cpu_devices(2)
+    assert "--nproc-per-node 2" in str(info.value)
+    get_adapter().simulate_cpu_devices(1)  # one device per process is fine
+
+
+# -- torch and tensorflow: distributed training is refused, never silent -------------
+def tiny_model():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd")
+    return model
+
+
+def tiny_data():
+    x = np.ones((8, 3), dtype="float32")
+    return x, 2 * np.ones((8, 1), dtype="float32")
+
+
+class FunctionalNet(kd.Trainer, keras.Model):
+    pass
+
+
+@pytest.mark.backend("torch", "tensorflow")
+@pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
+def test_callback_refuses_to_run_distributed(method):
+    model = tiny_model()
+    weights = [w.copy() for w in model.get_weights()]
+    x, y = tiny_data()
+    callback = kd.DistributeCallback(kd.DataParallel(devices=kd.list_devices()))
+    args = (x,) if method == "predict" else (x, y)
+    with pytest.raises(NotImplementedError, match=f"DataParallel is {NOT_YET}"):
+        getattr(model, method)(*args, batch_size=4, verbose=0, callbacks=[callback])
+    for before, after in zip(weights, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(before, after)
+    assert kd.distribution() is None
+
+
+@pytest.mark.backend("torch", "tensorflow")
+def test_model_parallel_callback_refuses_to_run():
+    mesh = kd.DeviceMesh((1, 1), ["batch", "model"], kd.list_devices()[:1])
+    layout_map = kd.LayoutMap(mesh)
+    layout_map["dense.*kernel"] = (None, "model")
+    callback = kd.DistributeCallback(kd.ModelParallel(layout_map=layout_map))
+    with pytest.raises(NotImplementedError, match=f"ModelParallel is {NOT_YET}"):
+        tiny_model().fit(*tiny_data(), batch_size=4, verbose=0, callbacks=[callback])
+    assert kd.distribution() is None
+
+
+@pytest.mark.backend("torch", "tensorflow")
+def test_trainer_refuses_to_run_distributed():
+    inputs = keras.Input((3,))
+    distribution = kd.DataParallel(devices=kd.list_devices())
+    model = FunctionalNet(
+        inputs, keras.layers.Dense(1)(inputs), distribution=distribution
+    )
+    model.compile(loss="mse", optimizer="sgd")
+    weights = [w.copy() for w in model.get_weights()]
+    with pytest.raises(NotImplementedError, match=NOT_YET):
+        model.fit(*tiny_data(), batch_size=4, verbose=0)
+    for before, after in zip(weights, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(before, after)
+    assert kd.distribution() is None
+
+
+@pytest.mark.backend("torch", "tensorflow")
+def test_trainer_refuses_the_global_distribution():
+    inputs = keras.Input((3,))
+    model = FunctionalNet(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(loss="mse", optimizer="sgd")
+    distribution = kd.DataParallel(devices=kd.list_devices())
+    with distribution.scope(), pytest.raises(NotImplementedError, match=NOT_YET):
+        model.fit(*tiny_data(), batch_size=4, verbose=0)
+    assert kd.distribution() is None
+
+
+@pytest.mark.backend("torch", "tensorflow")
+def test_backend_layouts_not_implemented():
+    mesh = kd.DeviceMesh((1,), ["batch"], kd.list_devices()[:1])
+    layout = kd.TensorLayout(("batch",), mesh)
+    with pytest.raises(NotImplementedError, match=f"backend_layout is {NOT_YET}"):
+        layout.backend_layout  # noqa: B018
+    with pytest.raises(NotImplementedError, match=f"backend_mesh is {NOT_YET}"):
+        mesh.backend_mesh  # noqa: B018
+    with pytest.raises(NotImplementedError, match=f"distribute_tensor is {NOT_YET}"):
+        kd.distribute_tensor(np.zeros((2,)), layout)
+
+
+@pytest.mark.backend("tensorflow")
+def test_tensorflow_cannot_join_a_job_yet():
+    with pytest.raises(NotImplementedError, match="Multi-process TensorFlow"):
+        get_adapter().initialize("127.0.0.1:1234", 2, 0, timeout_seconds=1)
+
+
+# -- jax: layouts are real shardings ------------------------------------------------
+@pytest.mark.backend("jax")
+def test_jax_layouts_are_named_shardings():
+    import jax
+
+    mesh = kd.DeviceMesh((2, CPU_DEVICES // 2), ["batch", "model"])
+    layout = kd.TensorLayout(("batch", None), mesh)
+    sharding = layout.backend_layout
+    assert isinstance(sharding, jax.sharding.NamedSharding)
+    assert sharding.mesh.axis_names == ("batch", "model")
+    assert sharding.mesh.devices.shape == (2, CPU_DEVICES // 2)
+    array = kd.distribute_tensor(np.zeros((4, 3), dtype="float32"), layout)
+    assert array.sharding == sharding
+
+
+@pytest.mark.backend("jax")
+def test_jax_unknown_device_in_mesh():
+    mesh = kd.DeviceMesh((1,), ["batch"], [f"cpu:{CPU_DEVICES + 90}"])
+    with pytest.raises(ValueError, match=f"'cpu:{CPU_DEVICES + 90}'"):
+        mesh.backend_mesh  # noqa: B018
+
+
+# -- KERAS_DIST_CPU_DEVICES in a fresh process ---------------------------------------
+def run_python(code: str, backend: str, devices: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.update(
+        KERAS_BACKEND=backend, KERAS_DIST_CPU_DEVICES=devices, TF_CPP_MIN_LOG_LEVEL="3"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+IMPORT_ORDERS = {
+    "keras_first": "import keras\nimport keras_dist as kd\n",
+    "keras_dist_first": "import keras_dist as kd\nimport keras\n",
+}
+COUNT_DEVICES = (
+    "print(kd.get_device_count('cpu'), len(keras.distribution.list_devices('cpu')))\n"
+)
+
+
+@pytest.mark.backend("jax")
+@pytest.mark.parametrize("order", sorted(IMPORT_ORDERS))
+def test_jax_simulated_devices_whatever_the_import_order(order):
+    result = run_python(IMPORT_ORDERS[order] + COUNT_DEVICES, "jax", "4")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["4", "4"], result.stdout
+
+
+@pytest.mark.backend("tensorflow")
+@pytest.mark.parametrize("order", sorted(IMPORT_ORDERS))
+def test_tensorflow_simulated_devices_whatever_the_import_order(order):
+    code = IMPORT_ORDERS[order] + "print(kd.get_device_count('cpu'))\n"
+    result = run_python(code, "tensorflow", "4")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["4"], result.stdout
+
+
+@pytest.mark.backend("jax")
+@pytest.mark.parametrize("order", sorted(IMPORT_ORDERS))
+def test_jax_invalid_device_count_is_refused(order):
+    result = run_python(IMPORT_ORDERS[order], "jax", "abc")
+    assert result.returncode != 0
+    assert "ValueError" in result.stderr
+    assert "KERAS_DIST_CPU_DEVICES='abc'" in result.stderr
+
+
+@pytest.mark.backend("jax")
+def test_jax_device_count_after_jax_started_is_too_late():
+    code = "import jax\njax.devices()\nimport keras_dist\n"
+    result = run_python(code, "jax", "4")
+    assert result.returncode != 0
+    assert "RuntimeError" in result.stderr
+    assert "KERAS_DIST_CPU_DEVICES=4 came too late" in result.stderr
