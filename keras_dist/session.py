@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import keras
@@ -41,6 +42,7 @@ class DistributedRun:
         self.model = model
         self.distribution = distribution
         self._previous: Any = None
+        self._silenced = False
         self.active = False
 
     def start(self) -> DistributedRun:
@@ -59,6 +61,14 @@ class DistributedRun:
             raise
         _active_runs[key] = self
         self.active = True
+        # One voice: only process 0 shows progress bars and per-epoch logs.
+        if (
+            get_adapter().process_id() != 0
+            and keras.config.is_interactive_logging_enabled()
+            and not os.environ.get("KERAS_DIST_VERBOSE_ALL_PROCESSES")
+        ):
+            keras.config.disable_interactive_logging()
+            self._silenced = True
         return self
 
     def stop(self) -> None:
@@ -66,6 +76,9 @@ class DistributedRun:
             return
         self.active = False
         _active_runs.pop(id(self.model), None)
+        if self._silenced:
+            keras.config.enable_interactive_logging()
+            self._silenced = False
         try:
             get_adapter().deactivate(self.model)
         finally:

@@ -1,0 +1,92 @@
+"""Real multi-process JAX jobs: 2 processes x 2 CPU devices, gloo, loopback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.multiprocess import log_of, run_job
+
+pytestmark = pytest.mark.backend("jax")
+
+TWO_BY_TWO = {"KERAS_BACKEND": "jax", "KERAS_DIST_CPU_DEVICES": "2"}
+ONE_BY_FOUR = {"KERAS_BACKEND": "jax", "KERAS_DIST_CPU_DEVICES": "4"}
+
+
+@pytest.mark.parametrize(
+    "kind", ["numpy", "tf_data", "py_dataset", "torch_loader", "generator"]
+)
+def test_every_sample_once_per_epoch_across_processes(kind, tmp_path):
+    results = run_job(
+        "jax_worker.py", [kind], processes=2, env=TWO_BY_TWO, output_dir=tmp_path
+    )
+    epochs = len(results[0]["ids"])
+    for epoch in range(epochs):
+        per_process = [result["ids"][epoch] for result in results]
+        assert all(per_process), "every process trains on some samples"
+        assert not set(per_process[0]) & set(per_process[1]), "no duplicates"
+        assert sorted(per_process[0] + per_process[1]) == list(map(float, range(37)))
+    if kind == "numpy" and epochs > 1:
+        # Shuffled: a new global permutation each epoch.
+        assert results[0]["ids"][0] != results[0]["ids"][1]
+
+
+@pytest.fixture(scope="module")
+def two_process_training(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("two_processes")
+    results = run_job(
+        "jax_worker.py", ["train"], processes=2, env=TWO_BY_TWO, output_dir=output_dir
+    )
+    return results, output_dir
+
+
+@pytest.fixture(scope="module")
+def one_process_training(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("one_process")
+    (result,) = run_job(
+        "jax_worker.py", ["train"], processes=1, env=ONE_BY_FOUR, output_dir=output_dir
+    )
+    return result
+
+
+def test_two_by_two_training_matches_one_process_four_devices(
+    two_process_training, one_process_training
+):
+    results, _ = two_process_training
+    assert [r["processes"] for r in results] == [2, 2]
+    assert [r["devices"] for r in results] == [4, 4]
+    assert one_process_training["devices"] == 4
+    for result in results:
+        for ours, reference in zip(
+            result["weights"], one_process_training["weights"], strict=True
+        ):
+            np.testing.assert_allclose(ours, reference, atol=1e-5, rtol=0)
+
+
+def test_logs_hold_global_metrics_identical_on_every_process(
+    two_process_training, one_process_training
+):
+    results, _ = two_process_training
+    reference = one_process_training["history"]
+    assert set(reference) == {"loss", "accuracy", "auc", "mse"}
+    for result in results:
+        for key, values in reference.items():
+            np.testing.assert_allclose(result["history"][key], values, atol=1e-5)
+    assert results[0]["history"] == results[1]["history"]
+
+
+def test_predict_returns_every_row_in_order_on_every_process(
+    two_process_training, one_process_training
+):
+    results, _ = two_process_training
+    for result in results:
+        assert len(result["predictions"]) == 45
+        np.testing.assert_allclose(
+            result["predictions"], one_process_training["predictions"], atol=1e-5
+        )
+
+
+def test_only_process_zero_prints_progress(two_process_training):
+    _, output_dir = two_process_training
+    assert "Epoch 3/3" in log_of(output_dir, 0)
+    assert "Epoch 1/3" not in log_of(output_dir, 1)

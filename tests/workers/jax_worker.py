@@ -1,0 +1,153 @@
+"""One process of a multi-process JAX test job; the tests start several.
+
+Usage: python jax_worker.py SCENARIO OUTPUT_JSON
+The job comes from KERAS_DISTRIBUTION_* and KERAS_DIST_CPU_DEVICES in the
+environment. Writes what the test compares to OUTPUT_JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import keras_dist as kd
+
+kd.initialize()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402
+
+from keras_dist.backends.jax_adapter import DistributedBatches  # noqa: E402
+
+SAMPLES = 37
+BATCH = 8
+
+
+def _ids_dataset():
+    ids = np.arange(SAMPLES, dtype="float32")[:, None]
+    return ids, np.zeros((SAMPLES,), "float32")
+
+
+def _inputs(kind: str):
+    """Each input type `fit` accepts, yielding samples whose feature is its id."""
+    x, y = _ids_dataset()
+    if kind == "numpy":
+        return {"x": x, "y": y, "batch_size": BATCH, "shuffle": True}
+    if kind == "tf_data":
+        import tensorflow as tf
+
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=7)
+        return {"x": dataset.batch(BATCH)}
+    if kind == "py_dataset":
+
+        class Ids(keras.utils.PyDataset):
+            def __len__(self):
+                return -(-SAMPLES // BATCH)
+
+            def __getitem__(self, index):
+                rows = slice(index * BATCH, (index + 1) * BATCH)
+                return x[rows], y[rows]
+
+        return {"x": Ids(), "shuffle": True}
+    if kind == "torch_loader":
+        import torch
+
+        dataset = torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y))
+        generator = torch.Generator().manual_seed(3)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=BATCH, shuffle=True, generator=generator
+        )
+        return {"x": loader}
+    if kind == "generator":
+
+        def batches():
+            for start in range(0, SAMPLES, BATCH):
+                yield x[start : start + BATCH], y[start : start + BATCH]
+
+        return {"x": batches()}
+    raise ValueError(kind)
+
+
+def seen_ids(kind: str) -> list[list[float]]:
+    """Ids that reach this process' devices, per epoch (padding excluded)."""
+    distribution = kd.DataParallel()
+    epochs = []
+    adapter = get_data_adapter(**_inputs(kind))
+    stream = np.random.RandomState(11)
+    for _ in range(2 if kind != "generator" else 1):
+        adapter.on_epoch_begin()
+        ids: list[float] = []
+        batches = DistributedBatches(
+            adapter.get_jax_iterator(), distribution, shuffle_stream=stream
+        )
+        for batch in batches:
+            data, mask = batch if hasattr(batch, "mask") else (batch, None)
+            for shard in data[0].addressable_shards:
+                rows = np.asarray(shard.data)[:, 0]
+                if mask is not None:
+                    keep = [
+                        np.asarray(m.data)
+                        for m in mask.addressable_shards
+                        if m.index == (shard.index[0],)
+                    ][0]
+                    rows = rows[keep > 0]
+                ids.extend(float(r) for r in rows)
+        adapter.on_epoch_end()
+        epochs.append(ids)
+    return epochs
+
+
+def train() -> dict:
+    keras.utils.set_random_seed(5)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(45, 6)).astype("float32")
+    y = rng.integers(0, 3, size=(45,))
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="categorical_crossentropy",
+        metrics=["accuracy", keras.metrics.AUC(name="auc", multi_label=False)],
+        weighted_metrics=[keras.metrics.MeanSquaredError(name="mse")],
+    )
+    distribution = kd.DataParallel()
+    history = model.fit(
+        x,
+        keras.utils.to_categorical(y, 3),
+        batch_size=12,
+        epochs=3,
+        shuffle=True,
+        verbose=1,
+        callbacks=[kd.DistributeCallback(distribution)],
+    ).history
+    predictions = model.predict(
+        x, batch_size=12, verbose=0, callbacks=[kd.DistributeCallback(distribution)]
+    )
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "history": history,
+        "predictions": np.asarray(predictions).tolist(),
+        "processes": kd.num_processes(),
+        "devices": kd.get_device_count(),
+    }
+
+
+def main() -> None:
+    scenario, output = sys.argv[1], sys.argv[2]
+    if scenario == "train":
+        result = train()
+    else:
+        result = {"ids": seen_ids(scenario)}
+    result["process_id"] = kd.process_id()
+    with open(output, "w") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main()
