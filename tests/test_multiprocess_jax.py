@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -90,3 +92,22 @@ def test_only_process_zero_prints_progress(two_process_training):
     _, output_dir = two_process_training
     assert "Epoch 3/3" in log_of(output_dir, 0)
     assert "Epoch 1/3" not in log_of(output_dir, 1)
+
+
+def test_a_lost_process_ends_the_others_with_an_error_naming_it(tmp_path):
+    started = time.monotonic()
+    survivor, lost = run_job(
+        "jax_worker.py",
+        ["lose_a_process"],
+        processes=2,
+        env={**TWO_BY_TWO, "KERAS_DIST_HEARTBEAT_TIMEOUT": "10"},
+        output_dir=tmp_path,
+        timeout=120,
+        allow_failures=True,
+    )
+    elapsed = time.monotonic() - started
+    assert lost["returncode"] == 17
+    assert survivor["returncode"] != 0, "the survivor must not finish training alone"
+    assert elapsed < 90, f"the survivor took {elapsed:.0f}s to notice"
+    assert "tasks are unhealthy" in survivor["log"]
+    assert "stopped sending heartbeats):\n1\n" in survivor["log"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,18 @@ from keras_dist._keras_compat import numpy_random_stream
 from keras_dist.backends import jax_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.padding import MaskedBatch, pad_batch
+
+
+def heartbeat_timeout_seconds() -> int:
+    raw = os.environ.get("KERAS_DIST_HEARTBEAT_TIMEOUT", "").strip()
+    if not raw:
+        return 60
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(
+            "KERAS_DIST_HEARTBEAT_TIMEOUT must be a positive whole number of "
+            f"seconds. Received: KERAS_DIST_HEARTBEAT_TIMEOUT={raw!r}"
+        )
+    return int(raw)
 
 
 def _device_name(device: Any) -> str:
@@ -207,6 +220,9 @@ class JaxAdapter(BackendAdapter):
                 num_processes=num_processes,
                 process_id=process_id,
                 initialization_timeout=max(1, int(timeout_seconds)),
+                # A lost process is noticed within this time and the others
+                # stop with an error instead of waiting in a collective forever.
+                heartbeat_timeout_seconds=heartbeat_timeout_seconds(),
             )
         except Exception as error:  # jax raises several XLA runtime types here
             raise RuntimeError(

@@ -138,9 +138,43 @@ def train() -> dict:
     }
 
 
+def lose_a_process() -> dict:
+    """Process 1 dies in the middle of the second epoch."""
+    import os
+    import time
+
+    class Die(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if kd.process_id() == 1 and self.epoch == 1 and batch == 2:
+                os._exit(17)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+    x = np.random.default_rng(0).normal(size=(400, 6)).astype("float32")
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    started = time.monotonic()
+    try:
+        model.fit(
+            x,
+            x[:, :1],
+            batch_size=8,
+            epochs=50,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(kd.DataParallel()), Die()],
+        )
+    except Exception as error:  # the survivors must get here, not hang
+        print(f"survivor error after {time.monotonic() - started:.1f}s: {error}")
+        raise
+    return {}
+
+
 def main() -> None:
     scenario, output = sys.argv[1], sys.argv[2]
-    if scenario == "train":
+    if scenario == "lose_a_process":
+        result = lose_a_process()
+    elif scenario == "train":
         result = train()
     else:
         result = {"ids": seen_ids(scenario)}
