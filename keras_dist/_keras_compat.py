@@ -7,7 +7,8 @@ moves one fails that test loudly instead of breaking users quietly.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import keras
 import numpy as np
@@ -35,6 +36,42 @@ def numpy_random_stream(stream: np.random.RandomState | None) -> Iterator[None]:
     finally:
         stream.set_state(np.random.get_state())
         np.random.set_state(saved)
+
+
+# Callbacks that write files; in a multi-process job only process 0 runs them.
+FILE_WRITING_CALLBACKS = (
+    keras.callbacks.CSVLogger,
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.TensorBoard,
+)
+
+
+def _do_nothing(self: Any, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def silence_file_writing_callbacks() -> Callable[[], None]:
+    """Make the file-writing callbacks do nothing in this process; return the
+    function that restores them.
+
+    Called on processes other than 0 for the duration of a distributed call, so
+    logs and checkpoints of replicated state are written once.
+    """
+    saved: list[tuple[type, str, Any]] = []
+    for cls in FILE_WRITING_CALLBACKS:
+        for name in dir(cls):
+            if name.startswith("on_") and callable(getattr(cls, name)):
+                saved.append((cls, name, cls.__dict__.get(name)))
+                setattr(cls, name, _do_nothing)
+
+    def restore() -> None:
+        for cls, name, original in saved:
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+
+    return restore
 
 
 def check() -> list[str]:

@@ -7,7 +7,10 @@ from typing import Any
 
 import keras
 
-from keras_dist._keras_compat import KerasDistribution
+from keras_dist._keras_compat import (
+    KerasDistribution,
+    silence_file_writing_callbacks,
+)
 from keras_dist.backends import get_adapter
 from keras_dist.policies import Distribution
 
@@ -43,6 +46,7 @@ class DistributedRun:
         self.distribution = distribution
         self._previous: Any = None
         self._silenced = False
+        self._restore_file_writers: Any = None
         self.active = False
 
     def start(self) -> DistributedRun:
@@ -61,14 +65,15 @@ class DistributedRun:
             raise
         _active_runs[key] = self
         self.active = True
-        # One voice: only process 0 shows progress bars and per-epoch logs.
-        if (
-            get_adapter().process_id() != 0
-            and keras.config.is_interactive_logging_enabled()
-            and not os.environ.get("KERAS_DIST_VERBOSE_ALL_PROCESSES")
-        ):
-            keras.config.disable_interactive_logging()
-            self._silenced = True
+        # One voice: only process 0 shows progress bars and per-epoch logs and
+        # writes CSV logs, TensorBoard events and checkpoints.
+        if get_adapter().process_id() != 0:
+            self._restore_file_writers = silence_file_writing_callbacks()
+            if keras.config.is_interactive_logging_enabled() and not os.environ.get(
+                "KERAS_DIST_VERBOSE_ALL_PROCESSES"
+            ):
+                keras.config.disable_interactive_logging()
+                self._silenced = True
         return self
 
     def stop(self) -> None:
@@ -79,6 +84,9 @@ class DistributedRun:
         if self._silenced:
             keras.config.enable_interactive_logging()
             self._silenced = False
+        if self._restore_file_writers is not None:
+            self._restore_file_writers()
+            self._restore_file_writers = None
         try:
             get_adapter().deactivate(self.model)
         finally:

@@ -88,10 +88,13 @@ def test_predict_returns_every_row_in_order_on_every_process(
         )
 
 
-def test_only_process_zero_prints_progress(two_process_training):
+def test_only_process_zero_prints_progress_and_writes_logs(two_process_training):
     _, output_dir = two_process_training
     assert "Epoch 3/3" in log_of(output_dir, 0)
     assert "Epoch 1/3" not in log_of(output_dir, 1)
+    # The CSVLogger each process was given wrote on process 0 only.
+    assert len((output_dir / "epochs-0.csv").read_text().splitlines()) == 4
+    assert not (output_dir / "epochs-1.csv").exists()
 
 
 def test_a_lost_process_ends_the_others_with_an_error_naming_it(tmp_path):

@@ -8,6 +8,7 @@ environment. Writes what the test compares to OUTPUT_JSON.
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 
 import keras_dist as kd
@@ -124,7 +125,10 @@ def train() -> dict:
         epochs=3,
         shuffle=True,
         verbose=1,
-        callbacks=[kd.DistributeCallback(distribution)],
+        callbacks=[
+            kd.DistributeCallback(distribution),
+            keras.callbacks.CSVLogger(f"{OUTPUT_DIR}/epochs-{kd.process_id()}.csv"),
+        ],
     ).history
     predictions = model.predict(
         x, batch_size=12, verbose=0, callbacks=[kd.DistributeCallback(distribution)]
@@ -170,8 +174,13 @@ def lose_a_process() -> dict:
     return {}
 
 
+OUTPUT_DIR = "."
+
+
 def main() -> None:
+    global OUTPUT_DIR
     scenario, output = sys.argv[1], sys.argv[2]
+    OUTPUT_DIR = str(pathlib.Path(output).parent)
     if scenario == "lose_a_process":
         result = lose_a_process()
     elif scenario == "train":
