@@ -50,15 +50,17 @@ def _do_nothing(self: Any, *args: Any, **kwargs: Any) -> None:
     return None
 
 
-def silence_file_writing_callbacks() -> Callable[[], None]:
-    """Make the file-writing callbacks do nothing in this process; return the
+def silence_callbacks(classes: tuple[type, ...]) -> Callable[[], None]:
+    """Make every callback of `classes` do nothing in this process; return the
     function that restores them.
 
     Called on processes other than 0 for the duration of a distributed call, so
-    logs and checkpoints of replicated state are written once.
+    progress, logs and checkpoints of replicated state appear once. Patching the
+    classes rather than a setting also covers the hooks Keras runs on its
+    callback threads, where thread-local settings do not reach.
     """
     saved: list[tuple[type, str, Any]] = []
-    for cls in FILE_WRITING_CALLBACKS:
+    for cls in classes:
         for name in dir(cls):
             if name.startswith("on_") and callable(getattr(cls, name)):
                 saved.append((cls, name, cls.__dict__.get(name)))

@@ -29,11 +29,23 @@ def _devices(arguments: argparse.Namespace) -> int:
 
 
 def _launch(arguments: argparse.Namespace) -> int:
-    raise NotImplementedError(
-        "`keras-dist launch` is not implemented yet. Start one process per rank "
-        "with KERAS_DISTRIBUTION_JOB_ADDRESSES, KERAS_DISTRIBUTION_NUM_PROCESSES "
-        "and KERAS_DISTRIBUTION_PROCESS_ID set, and call keras_dist.initialize()."
-    )
+    # The launcher needs only the standard library; the processes it starts
+    # import keras and their backend themselves.
+    from keras_dist.launcher import LaunchConfig, Launcher  # noqa: PLC0415
+
+    try:
+        config = LaunchConfig(
+            arguments.script,
+            tuple(arguments.script_args),
+            nproc_per_node=arguments.nproc_per_node,
+            nnodes=arguments.nnodes,
+            node_rank=arguments.node_rank,
+            coordinator=arguments.coordinator,
+            max_restarts=arguments.max_restarts,
+        )
+    except (TypeError, ValueError) as error:
+        arguments.usage_error(str(error))  # exits with code 2, like argparse
+    return Launcher(config).run()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,11 +58,58 @@ def build_parser() -> argparse.ArgumentParser:
     )
     devices.add_argument("--json", action="store_true", help="one JSON object")
     devices.set_defaults(handler=_devices)
-    launch = commands.add_parser("launch", help="start a multi-process job (not yet)")
-    launch.add_argument("--nproc-per-node", type=int, required=True)
-    launch.add_argument("script")
-    launch.add_argument("script_args", nargs=argparse.REMAINDER)
-    launch.set_defaults(handler=_launch)
+    launch = commands.add_parser(
+        "launch",
+        help="run a script as one job of several processes",
+        description=(
+            "Start N copies of a Python script on this node with the environment\n"
+            "keras_dist.initialize() (and torch) need to form one job. Output lines\n"
+            "are prefixed with the rank; when one process fails, the others are\n"
+            "stopped. On several nodes, run the same command on each node with its\n"
+            "own --node-rank."
+        ),
+        epilog=(
+            "example: keras-dist launch --nproc-per-node 2 train.py --epochs 3\n"
+            "         keras-dist launch --nproc-per-node 8 --nnodes 2 --node-rank 0 "
+            "--coordinator node0:29500 train.py"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_argument(
+        "--nproc-per-node",
+        type=int,
+        required=True,
+        metavar="N",
+        help="processes to start on this node",
+    )
+    launch.add_argument(
+        "--nnodes", type=int, default=1, metavar="M", help="nodes in the job"
+    )
+    launch.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="this node's index, from 0 to M-1",
+    )
+    launch.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="address of node 0 that every node reaches; required when M > 1 "
+        "(default on one node: 127.0.0.1 and a free port)",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart all processes after a failure, up to K times",
+    )
+    launch.add_argument("script", help="the Python script each process runs")
+    launch.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="arguments for the script"
+    )
+    launch.set_defaults(handler=_launch, usage_error=launch.error)
     return parser
 
 

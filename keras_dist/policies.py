@@ -71,7 +71,10 @@ class Distribution(KerasDistribution):
         self._auto_shard_dataset = auto_shard_dataset
         self._num_processes = runtime.num_processes()
         self._process_id = runtime.process_id()
-        self._is_multi_process = self._num_processes > 1
+        # Keras refuses every input but tf.data when this is True, and shards
+        # tf.data itself; keras_dist splits every input type between processes
+        # as batches reach the devices, so Keras must not.
+        self._is_multi_process = False
 
     @property
     def num_model_replicas(self) -> int:
@@ -105,15 +108,14 @@ class Distribution(KerasDistribution):
         return None
 
     def distribute_dataset(self, dataset: Any) -> Any:
-        """This process' part of `dataset`; the dataset itself in one process."""
-        if not self._is_multi_process or not self.auto_shard_dataset:
-            return dataset
-        raise NotImplementedError(
-            "Splitting a dataset between processes is not implemented yet in "
-            f"keras_dist. Received: dataset of type {type(dataset).__name__} in "
-            f"a job of {self._num_processes} processes. Pass "
-            "auto_shard_dataset=False and give each process its own data."
-        )
+        """Return `dataset` unchanged: keras_dist splits its batches later.
+
+        Every process reads the same global batches (any input type) and lays
+        out only the rows of its own devices, so the dataset itself needs no
+        per-process sharding. With `auto_shard_dataset=False` each process is
+        expected to read its own part already.
+        """
+        return dataset
 
     def __repr__(self) -> str:
         return (

@@ -8,8 +8,9 @@ from typing import Any
 import keras
 
 from keras_dist._keras_compat import (
+    FILE_WRITING_CALLBACKS,
     KerasDistribution,
-    silence_file_writing_callbacks,
+    silence_callbacks,
 )
 from keras_dist.backends import get_adapter
 from keras_dist.policies import Distribution
@@ -68,10 +69,12 @@ class DistributedRun:
         # One voice: only process 0 shows progress bars and per-epoch logs and
         # writes CSV logs, TensorBoard events and checkpoints.
         if get_adapter().process_id() != 0:
-            self._restore_file_writers = silence_file_writing_callbacks()
-            if keras.config.is_interactive_logging_enabled() and not os.environ.get(
-                "KERAS_DIST_VERBOSE_ALL_PROCESSES"
-            ):
+            quiet = not os.environ.get("KERAS_DIST_VERBOSE_ALL_PROCESSES")
+            classes = FILE_WRITING_CALLBACKS
+            if quiet:
+                classes = (*classes, keras.callbacks.ProgbarLogger)
+            self._restore_file_writers = silence_callbacks(classes)
+            if quiet and keras.config.is_interactive_logging_enabled():
                 keras.config.disable_interactive_logging()
                 self._silenced = True
         return self

@@ -8,6 +8,7 @@ which is 8 simulated CPUs on JAX and TensorFlow and `cpu:0` on PyTorch.
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist import _device_simulation, runtime
+from keras_dist import _device_simulation, cluster, runtime
 from keras_dist._keras_compat import KerasDistribution
 from keras_dist.backends import get_adapter
 from keras_dist.session import DistributedRun
@@ -36,8 +37,11 @@ CLUSTER_ENV_VARS = (
 @pytest.fixture(autouse=True)
 def _clean_cluster_env(monkeypatch):
     """No cluster variable of the surrounding shell leaks into these tests."""
-    for name in CLUSTER_ENV_VARS:
+    for name in CLUSTER_ENV_VARS + cluster.ENVIRONMENT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
+    for name in list(os.environ):
+        if name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
 
 
 def escaped(text: str) -> str:
@@ -448,14 +452,15 @@ def test_distribution_defaults():
     assert distribution.get_tensor_layout("dense/output") is None
 
 
-def test_distribute_dataset_multi_process_not_implemented(monkeypatch):
+def test_multi_process_policy_lets_keras_accept_every_input_type(monkeypatch):
+    """keras_dist splits batches itself: Keras must neither refuse numpy input
+    nor shard a tf.data dataset for a multi-process keras_dist policy."""
     monkeypatch.setattr(runtime, "num_processes", lambda: 2)
     distribution = kd.DataParallel(devices=DEVICES)
-    with pytest.raises(NotImplementedError, match="dataset of type list"):
-        distribution.distribute_dataset([1, 2])
-    unsharded = kd.DataParallel(devices=DEVICES, auto_shard_dataset=False)
+    assert distribution.num_processes == 2
+    assert distribution._is_multi_process is False
     dataset = [1, 2]
-    assert unsharded.distribute_dataset(dataset) is dataset
+    assert distribution.distribute_dataset(dataset) is dataset
 
 
 def test_data_parallel_mesh_and_devices_both_given():

@@ -92,6 +92,8 @@ def test_only_process_zero_prints_progress_and_writes_logs(two_process_training)
     _, output_dir = two_process_training
     assert "Epoch 3/3" in log_of(output_dir, 0)
     assert "Epoch 1/3" not in log_of(output_dir, 1)
+    assert "loss" in log_of(output_dir, 0)
+    assert "loss" not in log_of(output_dir, 1)  # no progress bar either
     # The CSVLogger each process was given wrote on process 0 only.
     assert len((output_dir / "epochs-0.csv").read_text().splitlines()) == 4
     assert not (output_dir / "epochs-1.csv").exists()

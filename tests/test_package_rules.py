@@ -52,12 +52,18 @@ def test_cli_devices_reports_this_process():
     assert '"num_processes": 1' in line and '"devices": ["' in line
 
 
-def test_cli_launch_says_it_is_not_implemented_yet():
+def test_cli_launch_runs_the_script_once_per_rank(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text("import os\nprint('world size', os.environ['WORLD_SIZE'])\n")
+    command = [sys.executable, "-m", "keras_dist", "launch", "--nproc-per-node", "2"]
     result = subprocess.run(
-        [sys.executable, "-m", "keras_dist", "launch", "--nproc-per-node", "2", "x.py"],
+        [*command, str(script)],
         capture_output=True,
         text=True,
         timeout=180,
     )
-    assert result.returncode == 2
-    assert "not implemented yet" in result.stderr
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == [
+        "[rank 0] world size 2",
+        "[rank 1] world size 2",
+    ]
