@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
-from tests.multiprocess import log_of, run_job
+from tests.multiprocess import WORKERS, free_port, log_of, run_job
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 pytestmark = pytest.mark.backend("jax")
 
@@ -116,3 +123,82 @@ def test_a_lost_process_ends_the_others_with_an_error_naming_it(tmp_path):
     assert elapsed < 90, f"the survivor took {elapsed:.0f}s to notice"
     assert "tasks are unhealthy" in survivor["log"]
     assert "stopped sending heartbeats):\n1\n" in survivor["log"]
+
+
+def _launch(args: list[str], env: dict[str, str], cwd) -> subprocess.Popen:
+    child_env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KERAS_DIST")},
+        **env,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "keras_dist", "launch", *args],
+        env=child_env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(process: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate(timeout=30)
+        message = f"launcher still running after {timeout}s:\n{err[-3000:]}"
+        raise AssertionError(message) from None
+    return process.returncode, out, err
+
+
+def test_launcher_ends_the_job_when_a_process_dies_mid_epoch(tmp_path):
+    started = time.monotonic()
+    launcher = _launch(
+        [
+            "--nproc-per-node",
+            "2",
+            str(WORKERS / "jax_worker.py"),
+            "lose_a_process",
+            str(tmp_path / "result.json"),
+        ],
+        TWO_BY_TWO,
+        tmp_path,
+    )
+    code, _, err = _finish(launcher, timeout=120)
+    assert code != 0
+    assert time.monotonic() - started < 90
+    assert "rank 1 exited with code 17" in err
+
+
+def test_multi_host_example_on_two_loopback_hosts(tmp_path):
+    port = str(free_port())
+    example = str(EXAMPLES / "multi_host" / "train.py")
+    hosts = [
+        _launch(
+            [
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--nproc-per-node",
+                "1",
+                example,
+                "--epochs",
+                "2",
+                "--log",
+                str(tmp_path / f"host{rank}.csv"),
+            ],
+            TWO_BY_TWO,
+            tmp_path,
+        )
+        for rank in (1, 0)
+    ]
+    results = [_finish(host, timeout=240) for host in hosts]
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:]
+    checksums = [out.rsplit("weight checksum", 1)[1].strip() for _, out, _ in results]
+    assert checksums[0] == checksums[1]
+    assert (tmp_path / "host0.csv").exists()
+    assert not (tmp_path / "host1.csv").exists()
