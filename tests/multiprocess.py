@@ -38,6 +38,7 @@ def run_job(
     killed on timeout or failure, and the error shows their output.
     """
     port = free_port()
+    output_dir.mkdir(parents=True, exist_ok=True)
     children = []
     for rank in range(processes):
         child_env = {

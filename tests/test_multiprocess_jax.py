@@ -106,6 +106,33 @@ def test_only_process_zero_prints_progress_and_writes_logs(two_process_training)
     assert not (output_dir / "epochs-1.csv").exists()
 
 
+def test_processes_feeding_their_own_data_train_like_one_process(tmp_path):
+    """auto_shard_dataset=False with 19 and 18 samples: the processes agree on
+    every step, pad the short shares, and train on the global batches they form
+    together."""
+    results = run_job(
+        "jax_worker.py",
+        ["own_data"],
+        processes=2,
+        env=TWO_BY_TWO,
+        output_dir=tmp_path / "two",
+    )
+    (reference,) = run_job(
+        "jax_worker.py",
+        ["own_data_reference"],
+        processes=1,
+        env=ONE_BY_FOUR,
+        output_dir=tmp_path / "one",
+    )
+    for result in results:
+        for ours, expected in zip(result["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
+        for key, values in reference["history"].items():
+            np.testing.assert_allclose(result["history"][key], values, atol=1e-5)
+        assert result["predictions_match"]
+    assert [r["rows"] for r in results] == [19, 18]
+
+
 def test_a_lost_process_ends_the_others_with_an_error_naming_it(tmp_path):
     started = time.monotonic()
     survivor, lost = run_job(

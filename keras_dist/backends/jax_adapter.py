@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import jax
-import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_dist._keras_compat import numpy_random_stream
 from keras_dist.backends import jax_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
-from keras_dist.padding import MaskedBatch, pad_batch
+from keras_dist.backends.jax_input_adapter import (
+    DistributedBatches,
+    ProcessLocalBatches,
+    trim_outputs,
+)
 
 
 def heartbeat_timeout_seconds() -> int:
@@ -45,131 +46,6 @@ def _to_jax_device(device: Any) -> Any:
         f"No JAX device is named {device!r}. Available: "
         f"{[_device_name(d) for d in jax.devices(platform)]}"
     )
-
-
-def _process_rows(sharding: Any, global_shape: tuple[int, ...]) -> slice:
-    """The rows of a global batch that live on this process' devices."""
-    starts, stops = [], []
-    for index in sharding.addressable_devices_indices_map(global_shape).values():
-        rows = index[0] if index else slice(None)
-        start, stop, _ = rows.indices(global_shape[0])
-        starts.append(start)
-        stops.append(stop)
-    rows = slice(min(starts), max(stops))
-    covered = {r for a, b in zip(starts, stops, strict=True) for r in range(a, b)}
-    if len(covered) != rows.stop - rows.start:
-        raise ValueError(
-            "keras_dist needs each process' devices to hold a contiguous block of "
-            "the batch; order the mesh devices by process. Received: a mesh whose "
-            f"rows for process {jax.process_index()} are {sorted(covered)}"
-        )
-    return rows
-
-
-def _fingerprint(batch: Any) -> int:
-    digest = hashlib.blake2b(digest_size=7)
-    for leaf in keras.tree.flatten(batch):
-        if leaf is not None:
-            digest.update(np.ascontiguousarray(leaf).tobytes())
-    return int.from_bytes(digest.digest(), "little")
-
-
-class DistributedBatches:
-    """Iterator over one epoch's batches, laid out on the devices.
-
-    Every process reads the same global batches (the input as `fit` received
-    it) and keeps the rows that belong to its devices, so each sample is used
-    once per epoch across processes. A batch that does not divide the batch
-    shards is padded and masked. It counts the padding rows it handed out so
-    that `predict` can drop the matching output rows.
-
-    Args:
-        batches: the global batches from Keras' data adapter.
-        distribution: the active distribution.
-        shuffle_stream: NumPy stream that Keras' shuffling draws from (the same
-            seed on every process), or None in one process.
-        check_same_input: compare the first batch's fingerprint across
-            processes, to fail fast when they read different data.
-    """
-
-    def __init__(
-        self,
-        batches: Iterator[Any],
-        distribution: Any,
-        *,
-        shuffle_stream: np.random.RandomState | None = None,
-        check_same_input: bool = False,
-    ):
-        self._batches = batches
-        self._started = False
-        self._distribution = distribution
-        self._shuffle_stream = shuffle_stream
-        self._check_same_input = check_same_input
-        self._placement: dict[tuple[int, ...], tuple[Any, slice]] = {}
-        self.padding_rows = 0
-
-    def __iter__(self) -> DistributedBatches:
-        return self
-
-    def _place(self, leaf: Any) -> Any:
-        if leaf is None:
-            return None
-        leaf = np.asarray(leaf)
-        if leaf.shape not in self._placement:
-            sharding = self._distribution.get_data_layout(leaf.shape).backend_layout
-            self._placement[leaf.shape] = (
-                sharding,
-                _process_rows(sharding, leaf.shape),
-            )
-        sharding, rows = self._placement[leaf.shape]
-        return jax.make_array_from_process_local_data(sharding, leaf[rows], leaf.shape)
-
-    def __next__(self) -> Any:
-        with numpy_random_stream(self._shuffle_stream):
-            if not self._started:
-                self._batches = iter(self._batches)
-                self._started = True
-            batch = next(self._batches)
-        if self._check_same_input:
-            self._check_same_input = False
-            _check_same_input(batch)
-        batch = pad_batch(batch, self._distribution.num_model_replicas)
-        if isinstance(batch, MaskedBatch):
-            self.padding_rows += int(batch.mask.shape[0] - batch.mask.sum())
-        return keras.tree.map_structure(self._place, batch)
-
-    def take_padding_rows(self) -> int:
-        rows, self.padding_rows = self.padding_rows, 0
-        return rows
-
-
-def _check_same_input(batch: Any) -> None:
-    fingerprints = multihost_utils.process_allgather(np.int64(_fingerprint(batch)))
-    fingerprints = np.asarray(fingerprints).reshape(-1)
-    differing = [int(p) for p in np.flatnonzero(fingerprints != fingerprints[0])]
-    if differing:
-        raise ValueError(
-            f"Processes {differing} read different input than process 0, so "
-            "splitting each batch between processes would drop and repeat "
-            "samples. Give every process the same data in the same order (seed "
-            "shuffling: keras.utils.set_random_seed(seed) before building the "
-            "dataset), or pass auto_shard_dataset=False and feed each process "
-            "its own part."
-        )
-
-
-def _trim_outputs(outputs: Any, iterator: Any) -> Any:
-    rows = 0
-    if isinstance(iterator, DistributedBatches):
-        rows = iterator.take_padding_rows()
-
-    def finish(output: Any) -> Any:
-        if jax.process_count() > 1 and not output.is_fully_addressable:
-            # Every process gets the whole prediction, in input order.
-            output = multihost_utils.process_allgather(output, tiled=True)
-        return output[:-rows] if rows else output
-
-    return keras.tree.map_structure(finish, outputs)
 
 
 class JaxAdapter(BackendAdapter):
@@ -253,12 +129,6 @@ class JaxAdapter(BackendAdapter):
         planned = _layouts_for(model, distribution)
         multi_process = jax.process_count() > 1
         if multi_process:
-            if not distribution.auto_shard_dataset:
-                raise NotImplementedError(
-                    "auto_shard_dataset=False (each process feeding its own data) "
-                    "is not implemented yet for multi-process JAX in keras_dist; "
-                    "give every process the same input and keras_dist splits it."
-                )
             # Replicas must start equal: process 0's values win, as in DDP.
             values = [np.asarray(variable.value) for variable, _ in planned]
             values = multihost_utils.broadcast_one_to_all(values)
@@ -274,15 +144,22 @@ class JaxAdapter(BackendAdapter):
         if multi_process:
             seed = multihost_utils.broadcast_one_to_all(seed)
         shuffle_stream = np.random.RandomState(int(seed))
-        internals.route_batches(
-            lambda batches: DistributedBatches(
-                batches,
-                distribution,
-                shuffle_stream=shuffle_stream,
-                check_same_input=multi_process,
-            )
-        )
-        internals.install_steps(model, _trim_outputs, jax.value_and_grad)
+        if multi_process and not distribution.auto_shard_dataset:
+            # Each process reads its own part of the data.
+            def batches_for_epoch(batches: Iterator[Any]) -> Iterator[Any]:
+                return ProcessLocalBatches(batches, distribution)
+        else:
+
+            def batches_for_epoch(batches: Iterator[Any]) -> Iterator[Any]:
+                return DistributedBatches(
+                    batches,
+                    distribution,
+                    shuffle_stream=shuffle_stream,
+                    check_same_input=multi_process,
+                )
+
+        internals.route_batches(batches_for_epoch)
+        internals.install_steps(model, trim_outputs, jax.value_and_grad)
 
     def deactivate(self, model: Any) -> None:
         internals.remove_steps(model)

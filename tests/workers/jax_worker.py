@@ -19,7 +19,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402
 
-from keras_dist.backends.jax_adapter import DistributedBatches  # noqa: E402
+from keras_dist.backends.jax_input_adapter import DistributedBatches  # noqa: E402
 
 SAMPLES = 37
 BATCH = 8
@@ -142,6 +142,81 @@ def train() -> dict:
     }
 
 
+def _own_data_model() -> keras.Model:
+    keras.utils.set_random_seed(9)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    return model
+
+
+def _own_data_samples() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(SAMPLES, 6)).astype("float32")
+    return x, x.sum(axis=1, keepdims=True)
+
+
+def own_data() -> dict:
+    """auto_shard_dataset=False: process p reads samples p, p + 2, ... only."""
+    x, y = _own_data_samples()
+    rank = kd.process_id()
+    mine = np.arange(SAMPLES)[rank::2]
+    distribution = kd.DataParallel(auto_shard_dataset=False)
+    model = _own_data_model()
+    callback = kd.DistributeCallback(distribution)
+    history = model.fit(
+        x[mine],
+        y[mine],
+        batch_size=4,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[callback],
+    ).history
+    predictions = model.predict(
+        x[mine],
+        batch_size=4,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(distribution)],
+    )
+    expected = model.predict(x[mine], batch_size=len(mine), verbose=0)
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "history": history,
+        "predictions_match": bool(np.allclose(predictions, expected, atol=1e-5)),
+        "rows": len(predictions),
+    }
+
+
+def own_data_reference() -> dict:
+    """One process, the global batches the two processes above form together."""
+    x, y = _own_data_samples()
+    ids = np.arange(SAMPLES)
+    shares = [ids[0::2], ids[1::2]]
+    order = np.concatenate(
+        [
+            np.concatenate([s[start : start + 4] for s in shares])
+            for start in range(0, 20, 4)
+        ]
+    )
+    model = _own_data_model()
+    history = model.fit(
+        x[order],
+        y[order],
+        batch_size=8,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(kd.DataParallel())],
+    ).history
+    return {"weights": [w.tolist() for w in model.get_weights()], "history": history}
+
+
 def lose_a_process() -> dict:
     """Process 1 dies in the middle of the second epoch."""
     import os
@@ -183,6 +258,10 @@ def main() -> None:
     OUTPUT_DIR = str(pathlib.Path(output).parent)
     if scenario == "lose_a_process":
         result = lose_a_process()
+    elif scenario == "own_data":
+        result = own_data()
+    elif scenario == "own_data_reference":
+        result = own_data_reference()
     elif scenario == "train":
         result = train()
     else:

@@ -1,0 +1,255 @@
+"""JAX input pipeline: global batches laid out as process-spanning arrays.
+
+Keras' data adapters yield batches; these iterators pad them to a size the
+batch shards divide (masking the padding), keep the rows of this process'
+devices and build global `jax.Array`s from them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+from jax.experimental import multihost_utils
+
+from keras_dist._keras_compat import numpy_random_stream
+from keras_dist.padding import (
+    MaskedBatch,
+    leading_dim,
+    pad_batch,
+    pad_rows,
+    padded_size,
+)
+
+
+def _process_rows(sharding: Any, global_shape: tuple[int, ...]) -> slice:
+    """The rows of a global batch that live on this process' devices."""
+    starts, stops = [], []
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        rows = index[0] if index else slice(None)
+        start, stop, _ = rows.indices(global_shape[0])
+        starts.append(start)
+        stops.append(stop)
+    rows = slice(min(starts), max(stops))
+    covered = {r for a, b in zip(starts, stops, strict=True) for r in range(a, b)}
+    if len(covered) != rows.stop - rows.start:
+        raise ValueError(
+            "keras_dist needs each process' devices to hold a contiguous block of "
+            "the batch; order the mesh devices by process. Received: a mesh whose "
+            f"rows for process {jax.process_index()} are {sorted(covered)}"
+        )
+    return rows
+
+
+def _fingerprint(batch: Any) -> int:
+    digest = hashlib.blake2b(digest_size=7)
+    for leaf in keras.tree.flatten(batch):
+        if leaf is not None:
+            digest.update(np.ascontiguousarray(leaf).tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+class DistributedBatches:
+    """Iterator over one epoch's batches, laid out on the devices.
+
+    Every process reads the same global batches (the input as `fit` received
+    it) and keeps the rows that belong to its devices, so each sample is used
+    once per epoch across processes. A batch that does not divide the batch
+    shards is padded and masked. It counts the padding rows it handed out so
+    that `predict` can drop the matching output rows.
+
+    Args:
+        batches: the global batches from Keras' data adapter.
+        distribution: the active distribution.
+        shuffle_stream: NumPy stream that Keras' shuffling draws from (the same
+            seed on every process), or None in one process.
+        check_same_input: compare the first batch's fingerprint across
+            processes, to fail fast when they read different data.
+    """
+
+    def __init__(
+        self,
+        batches: Iterator[Any],
+        distribution: Any,
+        *,
+        shuffle_stream: np.random.RandomState | None = None,
+        check_same_input: bool = False,
+    ):
+        self._batches = batches
+        self._started = False
+        self._distribution = distribution
+        self._shuffle_stream = shuffle_stream
+        self._check_same_input = check_same_input
+        self._placement: dict[tuple[int, ...], tuple[Any, slice]] = {}
+        # For each batch handed out since `take_kept_rows`: its global size and
+        # the rows of it that `predict` returns here.
+        self.kept_rows: list[tuple[int, slice]] = []
+
+    def __iter__(self) -> DistributedBatches:
+        return self
+
+    def _place(self, leaf: Any) -> Any:
+        if leaf is None:
+            return None
+        leaf = np.asarray(leaf)
+        if leaf.shape not in self._placement:
+            sharding = self._distribution.get_data_layout(leaf.shape).backend_layout
+            self._placement[leaf.shape] = (
+                sharding,
+                _process_rows(sharding, leaf.shape),
+            )
+        sharding, rows = self._placement[leaf.shape]
+        return jax.make_array_from_process_local_data(sharding, leaf[rows], leaf.shape)
+
+    def __next__(self) -> Any:
+        with numpy_random_stream(self._shuffle_stream):
+            if not self._started:
+                self._batches = iter(self._batches)
+                self._started = True
+            batch = next(self._batches)
+        if self._check_same_input:
+            self._check_same_input = False
+            _check_same_input(batch)
+        size = leading_dim(batch)
+        batch = pad_batch(batch, self._distribution.num_model_replicas)
+        self.kept_rows.append((leading_dim(batch), slice(0, size)))
+        return keras.tree.map_structure(self._place, batch)
+
+    def take_kept_rows(self) -> list[tuple[int, slice]]:
+        kept, self.kept_rows = self.kept_rows, []
+        return kept
+
+
+def _check_same_input(batch: Any) -> None:
+    fingerprints = multihost_utils.process_allgather(np.int64(_fingerprint(batch)))
+    fingerprints = np.asarray(fingerprints).reshape(-1)
+    differing = [int(p) for p in np.flatnonzero(fingerprints != fingerprints[0])]
+    if differing:
+        raise ValueError(
+            f"Processes {differing} read different input than process 0, so "
+            "splitting each batch between processes would drop and repeat "
+            "samples. Give every process the same data in the same order (seed "
+            "shuffling: keras.utils.set_random_seed(seed) before building the "
+            "dataset), or pass auto_shard_dataset=False and feed each process "
+            "its own part."
+        )
+
+
+class ProcessLocalBatches:
+    """Iterator over one epoch when each process reads its own data.
+
+    For `auto_shard_dataset=False`: the batch a process reads is its share of
+    the global batch. The processes agree on every step's sizes, pad their
+    shares to the same size with masked rows, and keep stepping with fully
+    masked batches until every process has run out, so they all run the same
+    number of steps and none waits for the others forever.
+    """
+
+    def __init__(self, batches: Iterator[Any], distribution: Any):
+        self._batches = iter(batches)
+        self._distribution = distribution
+        self._exhausted = False
+        self._template: Any = None
+        self._local_shards = self._shards_per_process()
+        self.kept_rows: list[tuple[int, slice]] = []
+
+    def _shards_per_process(self) -> int:
+        shards, processes = self._distribution.num_model_replicas, jax.process_count()
+        if shards % processes:
+            raise ValueError(
+                "With auto_shard_dataset=False every process feeds an equal share "
+                "of each batch, so the batch axis of the mesh must divide into "
+                f"the processes. Received: {shards} batch shards for "
+                f"{processes} processes"
+            )
+        return shards // processes
+
+    def __iter__(self) -> ProcessLocalBatches:
+        return self
+
+    def __next__(self) -> Any:
+        local = None
+        if not self._exhausted:
+            try:
+                local = next(self._batches)
+            except StopIteration:
+                self._exhausted = True
+        if local is not None and self._template is None:
+            self._template = local
+        size = 0 if local is None else leading_dim(local)
+        sizes = np.asarray(
+            multihost_utils.process_allgather(np.array([size, local is None]))
+        ).reshape(-1, 2)
+        if sizes[:, 1].all():
+            raise StopIteration
+        if self._template is None:
+            raise ValueError(
+                f"Process {jax.process_index()} has no data at all while others "
+                "do; with auto_shard_dataset=False every process needs its part."
+            )
+        share = padded_size(int(sizes[:, 0].max()), self._local_shards)
+        if local is None:
+            local = keras.tree.map_structure(
+                lambda leaf: None if leaf is None else np.asarray(leaf)[:0],
+                self._template,
+            )
+        local = keras.tree.map_structure(
+            lambda leaf: None if leaf is None else pad_rows(leaf, share - size), local
+        )
+        if (sizes[:, 0] != share).any():
+            mask = np.zeros((share,), "float32")
+            mask[:size] = 1.0
+            local = MaskedBatch(local, mask)
+        global_rows = share * jax.process_count()
+        placed = keras.tree.map_structure(
+            lambda leaf: None if leaf is None else self._place(leaf, global_rows),
+            local,
+        )
+        rows = _process_rows(self._sharding((global_rows,)), (global_rows,))
+        self.kept_rows.append((global_rows, slice(rows.start, rows.start + size)))
+        return placed
+
+    def _sharding(self, shape: tuple[int, ...]) -> Any:
+        return self._distribution.get_data_layout(shape).backend_layout
+
+    def _place(self, leaf: np.ndarray, global_rows: int) -> Any:
+        global_shape = (global_rows, *leaf.shape[1:])
+        return jax.make_array_from_process_local_data(
+            self._sharding(global_shape), leaf, global_shape
+        )
+
+    def take_kept_rows(self) -> list[tuple[int, slice]]:
+        kept, self.kept_rows = self.kept_rows, []
+        return kept
+
+
+def trim_outputs(outputs: Any, iterator: Any) -> Any:
+    """Predictions for the real rows of the batches `iterator` handed out.
+
+    Padding rows are dropped. In a multi-process job the outputs are gathered
+    first, so every process gets the whole prediction in input order (or, when
+    each process reads its own data, its own rows).
+    """
+    kept = []
+    if isinstance(iterator, (DistributedBatches, ProcessLocalBatches)):
+        kept = iterator.take_kept_rows()
+    index = None
+    if kept and any(rows != slice(0, total) for total, rows in kept):
+        offsets = np.cumsum([0] + [total for total, _ in kept[:-1]])
+        index = np.concatenate(
+            [
+                offset + np.arange(rows.start, rows.stop)
+                for offset, (_, rows) in zip(offsets, kept, strict=True)
+            ]
+        )
+
+    def finish(output: Any) -> Any:
+        if jax.process_count() > 1 and not output.is_fully_addressable:
+            output = multihost_utils.process_allgather(output, tiled=True)
+        return output if index is None else output[index]
+
+    return keras.tree.map_structure(finish, outputs)
