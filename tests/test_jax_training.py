@@ -277,3 +277,41 @@ def test_keras_alone_fails_on_a_model_built_before_the_distribution():
         pytest.warns(UserWarning),
     ):
         model.fit(x, y, batch_size=16, verbose=0)
+
+
+def test_fit_in_a_loop_reuses_the_compiled_step_until_compile_changes_it():
+    model = _sequential()
+    x, y = _data()
+    distribution = kd.DataParallel()
+    seen = []
+
+    class RecordStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(self.model.train_function)
+
+    def fit():
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=1,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(distribution), RecordStep()],
+        )
+        return seen[-1]
+
+    first = fit()
+    assert fit() is first
+    assert model.train_function is None  # plain Keras steps outside the run
+    _compile(model)
+    assert fit() is not first
+    other = kd.DataParallel(devices=kd.list_devices()[:4])
+    assert model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(other)],
+    )
+    assert len(model.get_layer("hidden").kernel.value.sharding.device_set) == 4

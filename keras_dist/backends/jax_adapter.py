@@ -159,7 +159,7 @@ class JaxAdapter(BackendAdapter):
                 )
 
         internals.route_batches(batches_for_epoch)
-        internals.install_steps(model, trim_outputs, jax.value_and_grad)
+        internals.install_steps(model, distribution, trim_outputs, jax.value_and_grad)
 
     def deactivate(self, model: Any) -> None:
         internals.remove_steps(model)

@@ -257,16 +257,53 @@ def masked_test_step(model: Any, state: Any, batch: MaskedBatch) -> Any:
 _STEP_NAMES = ("train_step", "test_step", "predict_step", "make_predict_function")
 
 
+_COMPILED = ("train_function", "test_function", "predict_function")
+_CACHE = "_keras_dist_compiled"
+
+
+def _compile_key(model: Any, distribution: Any) -> tuple[Any, ...]:
+    """What a compiled step depends on besides its inputs' shapes: another
+    distribution or a `compile()` since the last run means compiling again."""
+    return (
+        distribution,
+        model.optimizer,
+        getattr(model, "_compile_loss", None),
+        getattr(model, "_compile_metrics", None),
+        model.steps_per_execution,
+        model.jit_compile,
+        model.run_eagerly,
+    )
+
+
+def _same_key(first: tuple[Any, ...], second: tuple[Any, ...]) -> bool:
+    return len(first) == len(second) and all(
+        a is b or (type(a) in (int, bool) and a == b)
+        for a, b in zip(first, second, strict=True)
+    )
+
+
 def install_steps(
     model: Any,
+    distribution: Any,
     trim_outputs: Callable[[Any, Any], Any],
     value_and_grad: Callable,
 ) -> None:
     """Make `model`'s steps accept `MaskedBatch` and trim padded predictions.
 
     Instance attributes shadow the class' methods for as long as the
-    distribution is active; `remove_steps` deletes them again.
+    distribution is active; `remove_steps` deletes them again. The compiled
+    functions of the previous run are reused when nothing they depend on
+    changed, so calling `fit` in a loop does not compile every time.
     """
+    key = _compile_key(model, distribution)
+    cached = model.__dict__.get(_CACHE)
+    if cached is not None and _same_key(cached["key"], key):
+        for name, function in cached["steps"].items():
+            object.__setattr__(model, name, function)
+        for name in _COMPILED:
+            setattr(model, name, cached["compiled"][name])
+        return
+
     cls = type(model)
 
     def train_step(state: Any, data: Any) -> Any:
@@ -298,28 +335,32 @@ def install_steps(
         model.predict_function = predict_function
         return predict_function
 
-    replacements = {
+    steps = {
         "train_step": train_step,
         "test_step": test_step,
         "predict_step": predict_step,
         "make_predict_function": make_predict_function,
     }
-    for name, function in replacements.items():
+    for name, function in steps.items():
         object.__setattr__(model, name, function)
     reset_compiled_functions(model)
+    model.__dict__[_CACHE] = {"key": key, "steps": steps, "compiled": {}}
 
 
 def remove_steps(model: Any) -> None:
+    """Put Keras' own steps back, keeping the compiled ones for the next run."""
+    cached = model.__dict__.get(_CACHE)
+    if cached is not None:
+        cached["compiled"] = {name: getattr(model, name) for name in _COMPILED}
     for name in _STEP_NAMES:
         model.__dict__.pop(name, None)
     reset_compiled_functions(model)
 
 
 def reset_compiled_functions(model: Any) -> None:
-    """Drop compiled steps: they were built for the previous layouts."""
-    model.train_function = None
-    model.test_function = None
-    model.predict_function = None
+    """Drop compiled steps: they were built for other layouts."""
+    for name in _COMPILED:
+        setattr(model, name, None)
 
 
 __all__ = [
