@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 import numpy as np
 
 from keras_dist.backends import get_adapter
+from keras_dist.cluster import (
+    detect_cluster,
+    environment_int,
+    environment_value,
+    split_address,
+)
 
 _DEVICE_TYPES = ("cpu", "gpu", "tpu")
 DEFAULT_INIT_TIMEOUT_SECONDS = 300.0
+JOB_ADDRESSES_VARIABLE = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
+NUM_PROCESSES_VARIABLE = "KERAS_DISTRIBUTION_NUM_PROCESSES"
+PROCESS_ID_VARIABLE = "KERAS_DISTRIBUTION_PROCESS_ID"
+TIMEOUT_VARIABLE = "KERAS_DIST_INIT_TIMEOUT"
 
 _initialized: dict[str, object] = {}
 
@@ -68,26 +80,6 @@ def _int_or_none(name: str, value: object) -> int | None:
     return int(value)
 
 
-def _env_int(name: str) -> int | None:
-    """An environment variable holding a whole number, or None when unset."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    if not raw.lstrip("-").isdigit():
-        raise ValueError(f"{name} must be a whole number. Received: {name}={raw!r}")
-    return int(raw)
-
-
-def _validate_address(address: str) -> str:
-    host, separator, port = address.rpartition(":")
-    if not separator or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(
-            "Job addresses look like 'host:port' with a port from 1 to 65535. "
-            f"Received: {address!r}"
-        )
-    return address
-
-
 def resolve_cluster(
     job_addresses: str | None = None,
     num_processes: int | None = None,
@@ -95,20 +87,39 @@ def resolve_cluster(
 ) -> tuple[str | None, int, int]:
     """Work out `(coordinator_address, num_processes, process_id)`.
 
-    Explicit arguments win; the `KERAS_DISTRIBUTION_JOB_ADDRESSES`,
-    `KERAS_DISTRIBUTION_NUM_PROCESSES` and `KERAS_DISTRIBUTION_PROCESS_ID`
-    variables fill what is missing. Without either, the job is one process.
-    """
-    env = os.environ
-    if job_addresses is None:
-        job_addresses = env.get("KERAS_DISTRIBUTION_JOB_ADDRESSES") or None
-    num_processes = _int_or_none("num_processes", num_processes)
-    process_id = _int_or_none("process_id", process_id)
-    if num_processes is None:
-        num_processes = _env_int("KERAS_DISTRIBUTION_NUM_PROCESSES")
-    if process_id is None:
-        process_id = _env_int("KERAS_DISTRIBUTION_PROCESS_ID")
+    Each value comes from the first of: the explicit argument; the
+    `KERAS_DISTRIBUTION_JOB_ADDRESSES`, `KERAS_DISTRIBUTION_NUM_PROCESSES` and
+    `KERAS_DISTRIBUTION_PROCESS_ID` variables (several job addresses also give
+    the process count); the cluster this process was launched in (torchrun,
+    then SLURM, then `TF_CONFIG`, see `keras_dist.cluster`). The cluster is only
+    read when something is still missing, and a value from the arguments or
+    `KERAS_DISTRIBUTION_*` wins over the cluster's even when they disagree.
+    Without any of them, the job is one process.
 
+    Returns:
+        The coordinator's `"host:port"` (None for a one-process job without
+        one), the process count and this process' rank.
+
+    Example:
+
+    >>> keras_dist.runtime.resolve_cluster("10.0.0.1:1234", 4, 3)
+    ('10.0.0.1:1234', 4, 3)
+    """
+    count = _int_or_none("num_processes", num_processes)
+    count_source = "the `num_processes` argument"
+    if count is None:
+        count = environment_int(NUM_PROCESSES_VARIABLE)
+        count_source = NUM_PROCESSES_VARIABLE
+    rank = _int_or_none("process_id", process_id)
+    rank_source = "the `process_id` argument"
+    if rank is None:
+        rank = environment_int(PROCESS_ID_VARIABLE)
+        rank_source = PROCESS_ID_VARIABLE
+
+    address_source = "the `job_addresses` argument"
+    if job_addresses is None:
+        job_addresses = environment_value(JOB_ADDRESSES_VARIABLE)
+        address_source = JOB_ADDRESSES_VARIABLE
     addresses: list[str] = []
     if job_addresses is not None:
         if not isinstance(job_addresses, str):
@@ -116,37 +127,112 @@ def resolve_cluster(
                 "`job_addresses` must be a comma-separated string of 'host:port'. "
                 f"Received: job_addresses={job_addresses!r}"
             )
-        addresses = [_validate_address(a.strip()) for a in job_addresses.split(",")]
-    if num_processes is None:
-        num_processes = len(addresses) if len(addresses) > 1 else 1
-    if num_processes < 1:
+        addresses = [a.strip() for a in job_addresses.split(",")]
+        for address in addresses:
+            split_address(address)
+    if count is None and len(addresses) > 1:
+        count, count_source = len(addresses), address_source
+
+    if count is None or (count > 1 and (rank is None or not addresses)):
+        cluster = detect_cluster()
+        if cluster is not None:
+            cluster_address = cluster.coordinator_address()
+            cluster_count = cluster.num_processes()
+            cluster_rank = cluster.process_id()
+            if not addresses:
+                addresses = [cluster_address]
+            if count is None:
+                count = cluster_count
+                count_source = cluster.num_processes_source
+            if rank is None:
+                rank = cluster_rank
+                rank_source = cluster.process_id_source
+
+    if count is None:
+        count = 1
+    if count < 1:
         raise ValueError(
-            "`num_processes` must be at least 1. Received: "
-            f"num_processes={num_processes}"
+            f"`num_processes` must be at least 1. Received: num_processes={count}"
         )
-    if len(addresses) > 1 and len(addresses) != num_processes:
+    if len(addresses) > 1 and len(addresses) != count:
         raise ValueError(
             f"`job_addresses` lists {len(addresses)} jobs but `num_processes` is "
-            f"{num_processes}. Received: job_addresses={job_addresses!r}"
+            f"{count}. Received: job_addresses={job_addresses!r}"
         )
-    if process_id is None:
-        if num_processes > 1:
+    if rank is None:
+        if count > 1:
             raise ValueError(
-                f"A job of {num_processes} processes needs this process' "
-                "`process_id` (or KERAS_DISTRIBUTION_PROCESS_ID)."
+                f"A job of {count} processes needs this process' `process_id` "
+                f"(or {PROCESS_ID_VARIABLE}, or a launcher such as torchrun or "
+                "srun that sets RANK or SLURM_PROCID)."
             )
-        process_id = 0
-    if not 0 <= process_id < num_processes:
+        rank = 0
+    if not 0 <= rank < count:
         raise ValueError(
-            f"`process_id` must be in [0, {num_processes - 1}]. Received: "
-            f"process_id={process_id}, num_processes={num_processes}"
+            f"`process_id` must be in [0, {count - 1}]. Received: "
+            f"process_id={rank}, num_processes={count} (process_id from "
+            f"{rank_source}, num_processes from {count_source})"
         )
-    if num_processes > 1 and not addresses:
+    if count > 1 and not addresses:
         raise ValueError(
-            f"A job of {num_processes} processes needs the coordinator's "
-            "'host:port' in `job_addresses` (or KERAS_DISTRIBUTION_JOB_ADDRESSES)."
+            f"A job of {count} processes needs the coordinator's 'host:port' in "
+            f"`job_addresses` (or {JOB_ADDRESSES_VARIABLE})."
         )
-    return (addresses[0] if addresses else None), num_processes, process_id
+    return (addresses[0] if addresses else None), count, rank
+
+
+def _timeout_from_environment() -> float:
+    raw = os.environ.get(TIMEOUT_VARIABLE, "")
+    try:
+        return float(raw) if raw else DEFAULT_INIT_TIMEOUT_SECONDS
+    except ValueError:
+        raise ValueError(
+            f"{TIMEOUT_VARIABLE} must be a positive number of seconds. "
+            f"Received: {TIMEOUT_VARIABLE}={raw!r}"
+        ) from None
+
+
+def _wait_for_coordinator(
+    coordinator_address: str,
+    process_id: int,
+    num_processes: int,
+    *,
+    timeout_seconds: float,
+) -> None:
+    """Block until something accepts TCP connections at `coordinator_address`.
+
+    Process 0 starts the coordinator, often after the others because it is
+    slower to import; this retries until `timeout_seconds` have passed. Without
+    it, an unreachable coordinator ends a JAX process with an abort that names
+    neither the rank nor the address.
+
+    Raises:
+        RuntimeError: naming the rank and the address when nothing answered.
+    """
+    host, port = split_address(coordinator_address)
+    deadline = time.monotonic() + timeout_seconds
+    delay = 0.05
+    last_error: OSError | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection(
+                (host, port), timeout=min(max(remaining, 0.1), 10.0)
+            ):
+                return
+        except OSError as error:
+            last_error = error
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, 1.0)
+    raise RuntimeError(
+        f"Process {process_id} of {num_processes} could not reach the coordinator at "
+        f"{coordinator_address} within {timeout_seconds:g} s ({last_error}). "
+        "Check that process 0 is running and that the address is right; give it "
+        f"longer with `timeout_seconds=` or {TIMEOUT_VARIABLE}."
+    )
 
 
 def initialize(
@@ -158,6 +244,11 @@ def initialize(
 ) -> None:
     """Join a multi-process job; a no-op for a single process.
 
+    Called without arguments inside torchrun, an `srun` task or a `TF_CONFIG`
+    cluster, it finds the job on its own; see `resolve_cluster` for the order
+    in which arguments, `KERAS_DISTRIBUTION_*` variables and the cluster are
+    asked.
+
     Args:
         job_addresses: `"host:port"` of the coordinator (process 0), or every
             process' address separated by commas (the first is the coordinator).
@@ -165,7 +256,14 @@ def initialize(
         process_id: this process' rank, `0 <= process_id < num_processes`.
         timeout_seconds: how long to wait for the other processes before
             failing with an error naming the coordinator. Defaults to
-            `KERAS_DIST_INIT_TIMEOUT` or 300.
+            `KERAS_DIST_INIT_TIMEOUT` or 300. Processes other than 0 first
+            wait up to this long for the coordinator to accept connections,
+            then give the backend this long again to complete the handshake
+            (PyTorch also uses it as the timeout of its collectives).
+
+    Raises:
+        RuntimeError: naming the rank and the coordinator when the job could
+            not be joined in time.
 
     Example:
 
@@ -173,14 +271,7 @@ def initialize(
     """
     coordinator, count, rank = resolve_cluster(job_addresses, num_processes, process_id)
     if timeout_seconds is None:
-        raw = os.environ.get("KERAS_DIST_INIT_TIMEOUT", "")
-        try:
-            timeout_seconds = float(raw) if raw else DEFAULT_INIT_TIMEOUT_SECONDS
-        except ValueError:
-            raise ValueError(
-                "KERAS_DIST_INIT_TIMEOUT must be a positive number of seconds. "
-                f"Received: KERAS_DIST_INIT_TIMEOUT={raw!r}"
-            ) from None
+        timeout_seconds = _timeout_from_environment()
     if timeout_seconds <= 0:
         raise ValueError(
             f"`timeout_seconds` must be positive. Received: {timeout_seconds}"
@@ -195,5 +286,10 @@ def initialize(
                 f"num_processes={count}, process_id={rank}"
             )
         return
+    if rank != 0:
+        # Some backends abort the process (JAX) or retry past the timeout
+        # (PyTorch) when the coordinator never answers; fail here first, with
+        # the address in the message.
+        _wait_for_coordinator(coordinator, rank, count, timeout_seconds=timeout_seconds)
     get_adapter().initialize(coordinator, count, rank, timeout_seconds=timeout_seconds)
     _initialized.update({"coordinator": coordinator, "count": count, "rank": rank})
