@@ -76,6 +76,39 @@ def silence_callbacks(classes: tuple[type, ...]) -> Callable[[], None]:
     return restore
 
 
+def update_compiled_metrics(
+    model: Any, y: Any, y_pred: Any, mask: Any, weights: Any
+) -> Any:
+    """`compute_metrics`, but padded rows count in neither kind of metric.
+
+    Keras hands `sample_weight` only to `weighted_metrics`; `metrics` ignore it
+    and would count the padding, so they get the mask as their weight.
+    """
+    compiled = model._compile_metrics
+    if compiled is not None:
+        if not compiled.built:
+            compiled.build(y, y_pred)
+        flat_true = compiled._flatten_y(y)
+        flat_pred = compiled._flatten_y(y_pred)
+        for metric, y_true, y_out in zip(
+            compiled._flat_metrics, flat_true, flat_pred, strict=True
+        ):
+            if metric:
+                metric.update_state(y_true, y_out, sample_weight=mask)
+        for metric, y_true, y_out in zip(
+            compiled._flat_weighted_metrics, flat_true, flat_pred, strict=True
+        ):
+            if metric:
+                metric.update_state(y_true, y_out, sample_weight=weights)
+    return model.get_metrics_result()
+
+
+def uses_keras_compute_metrics(model: Any) -> bool:
+    """Whether `model` keeps Keras' own `compute_metrics` (not overridden)."""
+    own = type(model).compute_metrics
+    return getattr(own, "__qualname__", "").endswith("Trainer.compute_metrics")
+
+
 def check() -> list[str]:
     """Names of the Keras details this release no longer matches."""
     missing = []

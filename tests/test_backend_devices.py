@@ -141,7 +141,7 @@ class FunctionalNet(kd.Trainer, keras.Model):
     pass
 
 
-@pytest.mark.backend("torch", "tensorflow")
+@pytest.mark.backend("tensorflow")
 @pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
 def test_callback_refuses_to_run_distributed(method):
     model = tiny_model()
@@ -156,7 +156,7 @@ def test_callback_refuses_to_run_distributed(method):
     assert kd.distribution() is None
 
 
-@pytest.mark.backend("torch", "tensorflow")
+@pytest.mark.backend("tensorflow")
 def test_model_parallel_callback_refuses_to_run():
     mesh = kd.DeviceMesh((1, 1), ["batch", "model"], kd.list_devices()[:1])
     layout_map = kd.LayoutMap(mesh)
@@ -167,7 +167,7 @@ def test_model_parallel_callback_refuses_to_run():
     assert kd.distribution() is None
 
 
-@pytest.mark.backend("torch", "tensorflow")
+@pytest.mark.backend("tensorflow")
 def test_trainer_refuses_to_run_distributed():
     inputs = keras.Input((3,))
     distribution = kd.DataParallel(devices=kd.list_devices())
@@ -183,7 +183,7 @@ def test_trainer_refuses_to_run_distributed():
     assert kd.distribution() is None
 
 
-@pytest.mark.backend("torch", "tensorflow")
+@pytest.mark.backend("tensorflow")
 def test_trainer_refuses_the_global_distribution():
     inputs = keras.Input((3,))
     model = FunctionalNet(inputs, keras.layers.Dense(1)(inputs))
@@ -192,6 +192,68 @@ def test_trainer_refuses_the_global_distribution():
     with distribution.scope(), pytest.raises(NotImplementedError, match=NOT_YET):
         model.fit(*tiny_data(), batch_size=4, verbose=0)
     assert kd.distribution() is None
+
+
+@pytest.mark.backend("torch")
+def test_torch_refuses_sharded_variables_naming_them():
+    mesh = kd.DeviceMesh((1, 1), ["batch", "model"], kd.list_devices()[:1])
+    layout_map = kd.LayoutMap(mesh)
+    layout_map["dense.*kernel"] = (None, "model")
+    callback = kd.DistributeCallback(kd.ModelParallel(layout_map=layout_map))
+    model = tiny_model()
+    weights = [w.copy() for w in model.get_weights()]
+    with pytest.raises(
+        NotImplementedError, match=r"dense/kernel' as \(None, 'model'\)"
+    ):
+        model.fit(*tiny_data(), batch_size=4, verbose=0, callbacks=[callback])
+    for before, after in zip(weights, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(before, after)
+    assert kd.distribution() is None
+
+
+@pytest.mark.backend("torch")
+def test_torch_data_parallel_over_more_devices_than_processes_is_refused():
+    mesh = kd.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:1"])
+    callback = kd.DistributeCallback(kd.DataParallel(mesh))
+    with pytest.raises(ValueError, match="needs that many processes"):
+        tiny_model().fit(*tiny_data(), batch_size=4, verbose=0, callbacks=[callback])
+    assert kd.distribution() is None
+
+
+@pytest.mark.backend("torch")
+@pytest.mark.parametrize("route", ["callback", "trainer"])
+def test_torch_data_parallel_in_one_process_trains_like_keras(route):
+    x = np.random.default_rng(0).normal(size=(21, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def build(distribution=None):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((3,))
+        if distribution is None:
+            model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+        else:
+            model = FunctionalNet(
+                inputs, keras.layers.Dense(1)(inputs), distribution=distribution
+            )
+        model.compile(loss="mse", optimizer="sgd", metrics=["mae"])
+        return model
+
+    reference = build()
+    expected = reference.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    distribution = kd.DataParallel()
+    if route == "trainer":
+        model, callbacks = build(distribution), []
+    else:
+        model, callbacks = build(), [kd.DistributeCallback(distribution)]
+    history = model.fit(
+        x, y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=callbacks
+    )
+    for a, b in zip(reference.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    for key, values in expected.history.items():
+        np.testing.assert_allclose(history.history[key], values, atol=1e-6)
+    assert kd.distribution() is None
+    assert "train_step" not in model.__dict__
 
 
 @pytest.mark.backend("torch", "tensorflow")

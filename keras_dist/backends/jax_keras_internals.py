@@ -17,9 +17,9 @@ from keras.src import backend as keras_backend
 from keras.src.backend.jax import trainer as jax_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_dist._keras_compat import update_compiled_metrics, uses_keras_compute_metrics
 from keras_dist.padding import MaskedBatch
 
-_KERAS_COMPUTE_METRICS = jax_trainer.JAXTrainer.compute_metrics
 _original_get_iterator = jax_trainer.JAXEpochIterator._get_iterator
 _batch_source: list[Callable[[Iterator[Any]], Iterator[Any]]] = []
 
@@ -151,33 +151,6 @@ def _row_weights(mask: Any, sample_weight: Any) -> Any:
     return sample_weight * mask
 
 
-def _update_compiled_metrics(
-    model: Any, y: Any, y_pred: Any, mask: Any, weights: Any
-) -> Any:
-    """`compute_metrics`, but padded rows count in neither kind of metric.
-
-    Keras hands `sample_weight` only to `weighted_metrics`; `metrics` ignore it
-    and would count the padding, so they get the mask as their weight.
-    """
-    compiled = model._compile_metrics
-    if compiled is not None:
-        if not compiled.built:
-            compiled.build(y, y_pred)
-        flat_true = compiled._flatten_y(y)
-        flat_pred = compiled._flatten_y(y_pred)
-        for metric, y_true, y_out in zip(
-            compiled._flat_metrics, flat_true, flat_pred, strict=True
-        ):
-            if metric:
-                metric.update_state(y_true, y_out, sample_weight=mask)
-        for metric, y_true, y_out in zip(
-            compiled._flat_weighted_metrics, flat_true, flat_pred, strict=True
-        ):
-            if metric:
-                metric.update_state(y_true, y_out, sample_weight=weights)
-    return model.get_metrics_result()
-
-
 def _update_metrics(
     model: Any, metrics_variables: Any, loss: Any, real_rows: Any, batch: Any
 ) -> tuple[Any, list[Any]]:
@@ -186,8 +159,8 @@ def _update_metrics(
     with keras_backend.StatelessScope(state_mapping=mapping) as scope:
         # Keras weighs the loss by the padded batch size; only real rows count.
         model._loss_tracker.update_state(loss, sample_weight=real_rows)
-        if type(model).compute_metrics is _KERAS_COMPUTE_METRICS:
-            logs = _update_compiled_metrics(model, y, y_pred, mask, weights)
+        if uses_keras_compute_metrics(model):
+            logs = update_compiled_metrics(model, y, y_pred, mask, weights)
         else:
             # A model's own compute_metrics sees the padding as zero weights.
             logs = model.compute_metrics(x, y, y_pred, mask, weights)

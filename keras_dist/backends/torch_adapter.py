@@ -1,8 +1,9 @@
 """PyTorch adapter: one process per device, `torch.distributed` process groups.
 
-Devices, process counts and joining a job work today. Training through
-DistributedDataParallel and DTensor layouts are not implemented yet: those
-methods raise `NotImplementedError` rather than train on one device silently.
+`DataParallel` trains through torch's own `DistributedDataParallel` inside
+Keras' `fit`. Sharded variables (`ModelParallel` layouts, through DTensor) are
+not implemented yet: they raise `NotImplementedError` rather than train
+replicated silently.
 """
 
 from __future__ import annotations
@@ -10,14 +11,18 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as torch_distributed
+from torch.nn.parallel import DistributedDataParallel
 
+from keras_dist.backends import torch_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
+from keras_dist.backends.torch_input_adapter import RankBatches
 
 _NOT_YET = (
-    "{what} is not implemented yet for the PyTorch backend in keras_dist; use "
-    "KERAS_BACKEND=jax for distributed training meanwhile."
+    "{what} is not implemented yet for the PyTorch backend in keras_dist; "
+    "DataParallel (replicated variables) works, and KERAS_BACKEND=jax has the rest."
 )
 
 
@@ -94,13 +99,117 @@ class TorchAdapter(BackendAdapter):
     def distribute_tensor(self, tensor: Any, tensor_layout: Any) -> Any:
         raise NotImplementedError(_NOT_YET.format(what="distribute_tensor"))
 
-    def activate(self, model: Any, distribution: Any) -> None:
-        raise NotImplementedError(
-            _NOT_YET.format(what=f"Training under {type(distribution).__name__}")
+    # -- training --------------------------------------------------------------
+    def _device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _check_layouts(self, model: Any, distribution: Any) -> None:
+        for variable in model.variables:
+            layout = distribution.layout_for_variable(variable)
+            if any(axis is not None for axis in layout.axes):
+                raise NotImplementedError(
+                    _NOT_YET.format(
+                        what=f"Sharding variables (here {variable.path!r} as "
+                        f"{layout.axes}, through DTensor)"
+                    )
+                )
+        world_size, _ = self._world()
+        if distribution.num_model_replicas != world_size:
+            raise ValueError(
+                "On PyTorch each process drives one device, so a DataParallel over "
+                f"{distribution.num_model_replicas} devices needs that many "
+                f"processes (e.g. `keras-dist launch --nproc-per-node "
+                f"{distribution.num_model_replicas}`). Received: {world_size} "
+                "process(es)"
+            )
+
+    def _collectives(self, model: Any) -> internals.Collectives:
+        world_size, _ = self._world()
+        forward = model
+        if world_size > 1:
+            # Gradients are averaged by DDP's bucketed all-reduce during backward.
+            forward = DistributedDataParallel(model)
+
+        def sum_across_processes(tensor: Any) -> Any:
+            if world_size > 1:
+                torch_distributed.all_reduce(tensor, op=torch_distributed.ReduceOp.SUM)
+            return tensor
+
+        def gather_from_processes(tensor: Any) -> Any:
+            if world_size == 1:
+                return tensor
+            parts = [torch.empty_like(tensor) for _ in range(world_size)]
+            torch_distributed.all_gather(parts, tensor.contiguous())
+            return torch.cat(parts)
+
+        return internals.Collectives(
+            world_size=world_size,
+            sum_across_processes=sum_across_processes,
+            gather_from_processes=gather_from_processes,
+            forward=forward,
+            no_grad=torch.no_grad,
         )
 
+    def _broadcast_from_process_zero(self, model: Any) -> None:
+        """Replicas start equal: process 0's values win, as DDP does."""
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and optimizer.built:
+            variables += list(optimizer.variables)
+        for variable in variables:
+            value = variable.value.detach().clone()
+            torch_distributed.broadcast(value, src=0)
+            variable.assign(value)
+
+    def _check_same_input(self, fingerprint: int) -> None:
+        world_size, _ = self._world()
+        local = torch.tensor([fingerprint], dtype=torch.int64)
+        everyone = [torch.empty_like(local) for _ in range(world_size)]
+        torch_distributed.all_gather(everyone, local)
+        values = [int(t.item()) for t in everyone]
+        differing = [rank for rank, value in enumerate(values) if value != values[0]]
+        if differing:
+            raise ValueError(
+                f"Processes {differing} read different input than process 0, so "
+                "splitting each batch between processes would drop and repeat "
+                "samples. Give every process the same data in the same order "
+                "(seed shuffling: keras.utils.set_random_seed(seed) before building "
+                "the dataset)."
+            )
+
+    def activate(self, model: Any, distribution: Any) -> None:
+        self._check_layouts(model, distribution)
+        if not distribution.auto_shard_dataset and distribution.num_processes > 1:
+            raise NotImplementedError(_NOT_YET.format(what="auto_shard_dataset=False"))
+        world_size, rank = self._world()
+        if world_size > 1:
+            self._broadcast_from_process_zero(model)
+        collectives = self._collectives(model)
+        # The same shuffle on every process: process 0's draw seeds the stream.
+        seed = torch.tensor([np.random.randint(0, 2**31 - 1)], dtype=torch.int64)
+        if world_size > 1:
+            torch_distributed.broadcast(seed, src=0)
+        shuffle_stream = np.random.RandomState(int(seed.item()))
+        device = self._device()
+
+        def batches_for_epoch(data_adapter: Any) -> Any:
+            return RankBatches(
+                data_adapter.get_numpy_iterator(),
+                world_size=world_size,
+                rank=rank,
+                device=device,
+                shuffle_stream=shuffle_stream,
+                check_same_input=self._check_same_input if world_size > 1 else None,
+            )
+
+        internals.route_batches(batches_for_epoch)
+        internals.install_steps(model, internals.make_steps(model, collectives))
+
     def deactivate(self, model: Any) -> None:
-        raise NotImplementedError(_NOT_YET.format(what="Distributed training"))
+        internals.remove_steps(model)
+        internals.unroute_batches()
 
 
 ADAPTER = TorchAdapter()

@@ -1,0 +1,234 @@
+"""Every Keras private internal the PyTorch adapter relies on, in one place.
+
+`tests/test_keras_internals.py` calls `check()` and fails loudly when a Keras
+release moves any of these. Nothing here imports torch: the adapter hands in
+the collectives and the forward pass (through DistributedDataParallel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+from keras import ops
+from keras.src.backend.torch import trainer as torch_trainer
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_dist._keras_compat import update_compiled_metrics, uses_keras_compute_metrics
+
+_original_get_iterator = torch_trainer.TorchEpochIterator._get_iterator
+_batch_source: list[Callable[[Any], Iterator[Any]]] = []
+_STEP_NAMES = ("train_step", "test_step", "predict_step", "get_metrics_result")
+
+
+@dataclass
+class Collectives:
+    """What the steps need from torch.distributed, as plain callables."""
+
+    world_size: int
+    sum_across_processes: Callable[[Any], Any]  # a float tensor, summed in place
+    gather_from_processes: Callable[[Any], Any]  # rows of every process, in rank order
+    forward: Callable[..., Any]  # the model's forward through DDP
+    no_grad: Callable[[], Any]
+
+
+def check() -> list[str]:
+    """Names of the internals that this Keras release no longer has."""
+    missing = []
+    if not hasattr(torch_trainer, "TorchEpochIterator"):
+        missing.append("keras.src.backend.torch.trainer.TorchEpochIterator")
+    elif not hasattr(torch_trainer.TorchEpochIterator, "_get_iterator"):
+        missing.append("TorchEpochIterator._get_iterator")
+    for name in ("train_step", "test_step", "predict_step", "_compute_loss"):
+        if not hasattr(torch_trainer.TorchTrainer, name):
+            missing.append(f"TorchTrainer.{name}")
+    model = keras.Sequential([keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    if not hasattr(model, "_loss_tracker"):
+        missing.append("Trainer._loss_tracker")
+    metric = keras.metrics.Mean()
+    if any(not hasattr(v, "aggregation") for v in metric.variables):
+        missing.append("Variable.aggregation")
+    return missing
+
+
+# -- input batches -------------------------------------------------------------
+def _patched_get_iterator(epoch_iterator: Any) -> Any:
+    if _batch_source:
+        return _batch_source[-1](epoch_iterator.data_adapter)
+    return _original_get_iterator(epoch_iterator)
+
+
+def route_batches(source: Callable[[Any], Iterator[Any]]) -> None:
+    """Feed every Keras torch epoch from `source(data_adapter)` until unrouted."""
+    torch_trainer.TorchEpochIterator._get_iterator = _patched_get_iterator
+    _batch_source.append(source)
+
+
+def unroute_batches() -> None:
+    if _batch_source:
+        _batch_source.pop()
+    if not _batch_source:
+        torch_trainer.TorchEpochIterator._get_iterator = _original_get_iterator
+
+
+# -- steps ---------------------------------------------------------------------
+def _weights(batch: Any) -> tuple[Any, Any, Any, Any, Any]:
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch.data)
+    mask = batch.mask
+    weights = mask
+    if sample_weight is not None:
+        shaped = ops.reshape(mask, (-1,) + (1,) * (len(sample_weight.shape) - 1))
+        weights = sample_weight * ops.cast(shaped, sample_weight.dtype)
+    # Each process averages its loss over its share of the padded batch and DDP
+    # averages the gradients over processes; this scale turns that into the mean
+    # over the real rows of the global batch.
+    loss_weights = weights * (batch.padded_rows / batch.global_rows)
+    return x, y, mask, weights, loss_weights
+
+
+def _global_results(model: Any, collectives: Collectives) -> dict[str, Any]:
+    """Metric results from the metric states summed over processes.
+
+    Each process keeps accumulating its own rows; the sums are taken on copies,
+    so the logs are the exact global values, the same on every process.
+    """
+    own_results = type(model).get_metrics_result
+    variables = model.metrics_variables
+    if collectives.world_size == 1 or not variables:
+        return own_results(model)
+    local = [ops.copy(v.value) for v in variables]
+    flat = ops.concatenate([ops.reshape(ops.cast(t, "float64"), (-1,)) for t in local])
+    collectives.sum_across_processes(flat)
+    offset = 0
+    for variable, value in zip(variables, local, strict=True):
+        size = int(ops.size(value))
+        total = ops.reshape(flat[offset : offset + size], value.shape)
+        offset += size
+        if variable.aggregation == "mean":
+            total = total / collectives.world_size
+        if variable.aggregation in ("sum", "mean"):
+            variable.assign(ops.cast(total, variable.dtype))
+    results = keras.tree.map_structure(ops.copy, own_results(model))
+    for variable, value in zip(variables, local, strict=True):
+        variable.assign(value)
+    return results
+
+
+def _update_metrics(
+    model: Any, loss: Any, batch: Any, parts: tuple, world_size: int
+) -> None:
+    x, y, y_pred, mask, weights = parts
+    # Each process' loss is (its rows' loss sum) * world_size / global_rows;
+    # this weight makes the tracker's sums over processes the global mean.
+    model._loss_tracker.update_state(loss, sample_weight=batch.global_rows / world_size)
+    if uses_keras_compute_metrics(model):
+        update_compiled_metrics(model, y, y_pred, mask, weights)
+    else:
+        model.compute_metrics(x, y, y_pred, weights)
+
+
+def _average_non_trainable(model: Any, collectives: Collectives) -> None:
+    """Keep state that gradients do not sync (BatchNorm's moving statistics)
+    equal on every process: the average over processes, after every step."""
+    if collectives.world_size == 1:
+        return
+    for variable in model.non_trainable_variables:
+        if "float" in str(variable.dtype):
+            value = ops.copy(variable.value)
+            collectives.sum_across_processes(value)
+            variable.assign(value / collectives.world_size)
+
+
+def _unused_weights_error(model: Any) -> ValueError | None:
+    unused = [v.path for v in model.trainable_weights if v.value.grad is None]
+    if not unused:
+        return None
+    return ValueError(
+        "DistributedDataParallel needs a gradient for every trainable weight in "
+        f"every step, but these got none: {unused}. Freeze what the model does not "
+        "use (`layer.trainable = False`) or remove it."
+    )
+
+
+def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
+    first_step = [True]
+
+    def train_step(batch: Any) -> Any:
+        x, y, mask, weights, loss_weights = _weights(batch)
+        kwargs = {"training": True} if model._call_has_training_arg else {}
+        y_pred = collectives.forward(x, **kwargs)
+        model.zero_grad()
+        loss = model._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True
+        )
+        _update_metrics(
+            model, loss, batch, (x, y, y_pred, mask, weights), collectives.world_size
+        )
+        if model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
+        trainable = model.trainable_weights[:]
+        if trainable:
+            loss.backward()
+            if first_step[0]:
+                first_step[0] = False
+                error = _unused_weights_error(model)
+                if error is not None:
+                    raise error
+            with collectives.no_grad():
+                model.optimizer.apply([v.value.grad for v in trainable], trainable)
+        _average_non_trainable(model, collectives)
+        return model.get_metrics_result()
+
+    def test_step(batch: Any) -> Any:
+        x, y, mask, weights, loss_weights = _weights(batch)
+        kwargs = {"training": False} if model._call_has_training_arg else {}
+        y_pred = model(x, **kwargs)
+        loss = model._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=False
+        )
+        _update_metrics(
+            model, loss, batch, (x, y, y_pred, mask, weights), collectives.world_size
+        )
+        return model.get_metrics_result()
+
+    def predict_step(batch: Any) -> Any:
+        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch.data)
+        kwargs = {"training": False} if model._call_has_training_arg else {}
+        y_pred = model(x, **kwargs)
+        real = collectives.gather_from_processes(batch.mask) > 0
+        # Every process gets the whole prediction, in input order.
+        return keras.tree.map_structure(
+            lambda output: collectives.gather_from_processes(output)[real], y_pred
+        )
+
+    def get_metrics_result() -> dict[str, Any]:
+        # Keras reads epoch logs and `evaluate`'s result from here too.
+        return _global_results(model, collectives)
+
+    return {
+        "train_step": train_step,
+        "test_step": test_step,
+        "predict_step": predict_step,
+        "get_metrics_result": get_metrics_result,
+    }
+
+
+def install_steps(model: Any, steps: dict[str, Callable]) -> None:
+    for name, function in steps.items():
+        object.__setattr__(model, name, function)
+    reset_compiled_functions(model)
+
+
+def remove_steps(model: Any) -> None:
+    for name in _STEP_NAMES:
+        model.__dict__.pop(name, None)
+    reset_compiled_functions(model)
+
+
+def reset_compiled_functions(model: Any) -> None:
+    model.train_function = None
+    model.test_function = None
+    model.predict_function = None

@@ -1,0 +1,152 @@
+"""One process of a multi-process PyTorch (gloo) test job.
+
+Usage: python torch_worker.py SCENARIO OUTPUT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import keras_dist as kd
+
+kd.initialize()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402
+
+from keras_dist.backends.torch_input_adapter import RankBatches  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from jax_worker import _inputs, lose_a_process  # noqa: E402
+
+
+def seen_ids(kind: str) -> list[list[float]]:
+    epochs = []
+    adapter = get_data_adapter(**_inputs(kind))
+    stream = np.random.RandomState(11)
+    for _ in range(2 if kind != "generator" else 1):
+        adapter.on_epoch_begin()
+        ids: list[float] = []
+        batches = RankBatches(
+            adapter.get_numpy_iterator(),
+            world_size=kd.num_processes(),
+            rank=kd.process_id(),
+            device="cpu",
+            shuffle_stream=stream,
+        )
+        for batch in batches:
+            rows = batch.data[0][:, 0].numpy()[batch.mask.numpy() > 0]
+            ids.extend(float(r) for r in rows)
+        adapter.on_epoch_end()
+        epochs.append(ids)
+    return epochs
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(45, 6)).astype("float32")
+    y = rng.integers(0, 3, size=(45,))
+    return x, keras.utils.to_categorical(y, 3)
+
+
+def _model(batch_norm: bool) -> keras.Model:
+    layers = [keras.Input((6,)), keras.layers.Dense(16, activation="relu")]
+    if batch_norm:
+        layers.append(keras.layers.BatchNormalization())
+    layers.append(keras.layers.Dense(3, activation="softmax"))
+    model = keras.Sequential(layers)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="categorical_crossentropy",
+        metrics=["accuracy", keras.metrics.AUC(name="auc")],
+        weighted_metrics=[keras.metrics.MeanSquaredError(name="mse")],
+    )
+    return model
+
+
+def train(batch_norm: bool) -> dict:
+    # Different seeds on purpose: process 0's weights must win everywhere.
+    keras.utils.set_random_seed(100 + kd.process_id())
+    x, y = _data()
+    model = _model(batch_norm)
+    distribution = kd.DataParallel()
+    history = model.fit(
+        x,
+        y,
+        batch_size=12,
+        epochs=3,
+        shuffle=True,
+        verbose=1,
+        validation_data=(x[:20], y[:20]),
+        callbacks=[kd.DistributeCallback(distribution)],
+    ).history
+    predictions = model.predict(
+        x, batch_size=12, verbose=0, callbacks=[kd.DistributeCallback(distribution)]
+    )
+    evaluation = model.evaluate(
+        x,
+        y,
+        batch_size=7,
+        verbose=0,
+        return_dict=True,
+        callbacks=[kd.DistributeCallback(distribution)],
+    )
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "history": history,
+        "evaluation": evaluation,
+        "predictions": np.asarray(predictions).tolist(),
+        "processes": kd.num_processes(),
+    }
+
+
+def unused_weight() -> dict:
+    class TwoHeads(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.used = keras.layers.Dense(1, name="used")
+            self.unused = keras.layers.Dense(1, name="unused")
+
+        def call(self, x):
+            return self.used(x)
+
+    model = TwoHeads()
+    model(np.zeros((1, 6), "float32"))
+    model.unused(np.zeros((1, 6), "float32"))
+    model.compile(optimizer="sgd", loss="mse")
+    x, _ = _data()
+    try:
+        model.fit(
+            x,
+            x[:, :1],
+            batch_size=8,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(kd.DataParallel())],
+        )
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def main() -> None:
+    scenario, output = sys.argv[1], sys.argv[2]
+    if scenario == "train":
+        result = train(batch_norm=False)
+    elif scenario == "train_batch_norm":
+        result = train(batch_norm=True)
+    elif scenario == "lose_a_process":
+        result = lose_a_process()
+    elif scenario == "unused_weight":
+        result = unused_weight()
+    else:
+        result = {"ids": seen_ids(scenario)}
+    result["process_id"] = kd.process_id()
+    with open(output, "w") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main()
