@@ -6,6 +6,7 @@ on devices and the step functions use the mask so that padded rows never count.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, NamedTuple
 
 import keras
@@ -68,3 +69,28 @@ def pad_batch(data: Any, multiple: int) -> Any:
     mask = np.zeros((target,), dtype="float32")
     mask[:size] = 1.0
     return MaskedBatch(padded, mask)
+
+
+def fingerprint(batch: Any) -> int:
+    """A 56-bit hash of a batch's arrays, to compare what processes read."""
+    digest = hashlib.blake2b(digest_size=7)
+    for leaf in keras.tree.flatten(batch):
+        if leaf is not None:
+            digest.update(np.ascontiguousarray(leaf).tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def check_same_input(fingerprints: list[int]) -> None:
+    """Raise if processes (indexed like `fingerprints`) read different batches."""
+    differing = [
+        rank for rank, value in enumerate(fingerprints) if value != fingerprints[0]
+    ]
+    if differing:
+        raise ValueError(
+            f"Processes {differing} read different input than process 0, so "
+            "splitting each batch between processes would drop and repeat "
+            "samples. Give every process the same data in the same order (seed "
+            "shuffling: keras.utils.set_random_seed(seed) before building the "
+            "dataset), or pass auto_shard_dataset=False and feed each process "
+            "its own part."
+        )

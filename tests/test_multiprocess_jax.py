@@ -133,6 +133,19 @@ def test_processes_feeding_their_own_data_train_like_one_process(tmp_path):
     assert [r["rows"] for r in results] == [19, 18]
 
 
+def test_processes_reading_different_data_fail_naming_them(tmp_path):
+    results = run_job(
+        "jax_worker.py",
+        ["different_data"],
+        processes=2,
+        env=TWO_BY_TWO,
+        output_dir=tmp_path,
+    )
+    for result in results:
+        assert result["error"] is not None
+        assert "Processes [1] read different input than process 0" in result["error"]
+
+
 def test_a_lost_process_ends_the_others_with_an_error_naming_it(tmp_path):
     started = time.monotonic()
     survivor, lost = run_job(

@@ -7,7 +7,6 @@ devices and build global `jax.Array`s from them.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,8 @@ from jax.experimental import multihost_utils
 from keras_dist._keras_compat import numpy_random_stream
 from keras_dist.padding import (
     MaskedBatch,
+    check_same_input,
+    fingerprint,
     leading_dim,
     pad_batch,
     pad_rows,
@@ -43,14 +44,6 @@ def _process_rows(sharding: Any, global_shape: tuple[int, ...]) -> slice:
             f"rows for process {jax.process_index()} are {sorted(covered)}"
         )
     return rows
-
-
-def _fingerprint(batch: Any) -> int:
-    digest = hashlib.blake2b(digest_size=7)
-    for leaf in keras.tree.flatten(batch):
-        if leaf is not None:
-            digest.update(np.ascontiguousarray(leaf).tobytes())
-    return int.from_bytes(digest.digest(), "little")
 
 
 class DistributedBatches:
@@ -113,7 +106,7 @@ class DistributedBatches:
             batch = next(self._batches)
         if self._check_same_input:
             self._check_same_input = False
-            _check_same_input(batch)
+            _verify_same_input_everywhere(batch)
         size = leading_dim(batch)
         batch = pad_batch(batch, self._distribution.num_model_replicas)
         self.kept_rows.append((leading_dim(batch), slice(0, size)))
@@ -124,19 +117,9 @@ class DistributedBatches:
         return kept
 
 
-def _check_same_input(batch: Any) -> None:
-    fingerprints = multihost_utils.process_allgather(np.int64(_fingerprint(batch)))
-    fingerprints = np.asarray(fingerprints).reshape(-1)
-    differing = [int(p) for p in np.flatnonzero(fingerprints != fingerprints[0])]
-    if differing:
-        raise ValueError(
-            f"Processes {differing} read different input than process 0, so "
-            "splitting each batch between processes would drop and repeat "
-            "samples. Give every process the same data in the same order (seed "
-            "shuffling: keras.utils.set_random_seed(seed) before building the "
-            "dataset), or pass auto_shard_dataset=False and feed each process "
-            "its own part."
-        )
+def _verify_same_input_everywhere(batch: Any) -> None:
+    fingerprints = multihost_utils.process_allgather(np.int64(fingerprint(batch)))
+    check_same_input([int(value) for value in np.asarray(fingerprints).reshape(-1)])
 
 
 class ProcessLocalBatches:

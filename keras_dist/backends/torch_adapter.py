@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from keras_dist.backends import torch_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.torch_input_adapter import RankBatches
+from keras_dist.padding import check_same_input
 
 _NOT_YET = (
     "{what} is not implemented yet for the PyTorch backend in keras_dist; "
@@ -168,16 +169,7 @@ class TorchAdapter(BackendAdapter):
         local = torch.tensor([fingerprint], dtype=torch.int64)
         everyone = [torch.empty_like(local) for _ in range(world_size)]
         torch_distributed.all_gather(everyone, local)
-        values = [int(t.item()) for t in everyone]
-        differing = [rank for rank, value in enumerate(values) if value != values[0]]
-        if differing:
-            raise ValueError(
-                f"Processes {differing} read different input than process 0, so "
-                "splitting each batch between processes would drop and repeat "
-                "samples. Give every process the same data in the same order "
-                "(seed shuffling: keras.utils.set_random_seed(seed) before building "
-                "the dataset)."
-            )
+        check_same_input([int(t.item()) for t in everyone])
 
     def activate(self, model: Any, distribution: Any) -> None:
         self._check_layouts(model, distribution)

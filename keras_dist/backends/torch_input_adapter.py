@@ -7,7 +7,6 @@ as torch's `DistributedSampler` gives each rank its share; the padding is masked
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 
 from keras_dist._keras_compat import numpy_random_stream
-from keras_dist.padding import leading_dim, pad_rows, padded_size
+from keras_dist.padding import fingerprint, leading_dim, pad_rows, padded_size
 
 
 class RankBatch(NamedTuple):
@@ -42,14 +41,6 @@ def _as_numpy(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         return leaf.detach().cpu().numpy()
     return np.asarray(leaf)
-
-
-def fingerprint(batch: Any) -> int:
-    digest = hashlib.blake2b(digest_size=7)
-    for leaf in keras.tree.flatten(batch):
-        if leaf is not None:
-            digest.update(np.ascontiguousarray(leaf).tobytes())
-    return int.from_bytes(digest.digest(), "little")
 
 
 class RankBatches:

@@ -217,6 +217,24 @@ def own_data_reference() -> dict:
     return {"weights": [w.tolist() for w in model.get_weights()], "history": history}
 
 
+def different_data() -> dict:
+    """Each process reads different data: splitting it would lose samples."""
+    x = np.full((16, 6), float(kd.process_id()), "float32")
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    try:
+        model.fit(
+            x,
+            x[:, :1],
+            batch_size=8,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(kd.DataParallel())],
+        )
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def lose_a_process() -> dict:
     """Process 1 dies in the middle of the second epoch."""
     import os
@@ -258,6 +276,8 @@ def main() -> None:
     OUTPUT_DIR = str(pathlib.Path(output).parent)
     if scenario == "lose_a_process":
         result = lose_a_process()
+    elif scenario == "different_data":
+        result = different_data()
     elif scenario == "own_data":
         result = own_data()
     elif scenario == "own_data_reference":
