@@ -89,6 +89,18 @@ def _weights(batch: Any) -> tuple[Any, Any, Any, Any, Any]:
     return x, y, mask, weights, loss_weights
 
 
+def _sums_over_processes(values: list[Any], collectives: Collectives) -> list[Any]:
+    """Each of `values` summed over the processes, in one all-reduce (float64)."""
+    flat = ops.concatenate([ops.reshape(ops.cast(v, "float64"), (-1,)) for v in values])
+    collectives.sum_across_processes(flat)
+    sums, offset = [], 0
+    for value in values:
+        size = int(ops.size(value))
+        sums.append(ops.reshape(flat[offset : offset + size], value.shape))
+        offset += size
+    return sums
+
+
 def _global_results(model: Any, collectives: Collectives) -> dict[str, Any]:
     """Metric results from the metric states summed over processes.
 
@@ -100,13 +112,9 @@ def _global_results(model: Any, collectives: Collectives) -> dict[str, Any]:
     if collectives.world_size == 1 or not variables:
         return own_results(model)
     local = [ops.copy(v.value) for v in variables]
-    flat = ops.concatenate([ops.reshape(ops.cast(t, "float64"), (-1,)) for t in local])
-    collectives.sum_across_processes(flat)
-    offset = 0
-    for variable, value in zip(variables, local, strict=True):
-        size = int(ops.size(value))
-        total = ops.reshape(flat[offset : offset + size], value.shape)
-        offset += size
+    for variable, total in zip(
+        variables, _sums_over_processes(local, collectives), strict=True
+    ):
         if variable.aggregation == "mean":
             total = total / collectives.world_size
         if variable.aggregation in ("sum", "mean"):
@@ -135,11 +143,12 @@ def _average_non_trainable(model: Any, collectives: Collectives) -> None:
     equal on every process: the average over processes, after every step."""
     if collectives.world_size == 1:
         return
-    for variable in model.non_trainable_variables:
-        if "float" in str(variable.dtype):
-            value = ops.copy(variable.value)
-            collectives.sum_across_processes(value)
-            variable.assign(value / collectives.world_size)
+    variables = [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
+    if not variables:
+        return
+    sums = _sums_over_processes([v.value for v in variables], collectives)
+    for variable, total in zip(variables, sums, strict=True):
+        variable.assign(ops.cast(total / collectives.world_size, variable.dtype))
 
 
 def _unused_weights_error(model: Any) -> ValueError | None:
