@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import keras
@@ -170,7 +169,7 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
             device_mesh = DeviceMesh((len(devices),), [DEFAULT_BATCH_DIM_NAME], devices)
         _check_mesh(device_mesh)
         if len(device_mesh.shape) != 1:
-            warnings.warn(
+            runtime.warn_once(
                 f"DataParallel splits the batch along the first mesh axis "
                 f"({device_mesh.axis_names[0]!r}) and replicates along the others; "
                 f"use ModelParallel to shard variables. Received: a mesh of shape "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import warnings
 
 import numpy as np
 
@@ -293,3 +294,15 @@ def initialize(
         _wait_for_coordinator(coordinator, rank, count, timeout_seconds=timeout_seconds)
     get_adapter().initialize(coordinator, count, rank, timeout_seconds=timeout_seconds)
     _initialized.update({"coordinator": coordinator, "count": count, "rank": rank})
+
+
+_warned: set[tuple[type[Warning], str]] = set()
+
+
+def warn_once(message: str, category: type[Warning], stacklevel: int = 2) -> None:
+    """Warn once per message, and only on process 0 of a multi-process job."""
+    key = (category, message)
+    if key in _warned or process_id() != 0:
+        return
+    _warned.add(key)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)

@@ -483,12 +483,24 @@ def test_data_parallel_devices_empty():
         kd.DataParallel(devices=[])
 
 
-def test_data_parallel_multi_axis_mesh_warns():
+def test_data_parallel_multi_axis_mesh_warns_once_on_process_zero(monkeypatch):
+    monkeypatch.setattr(runtime, "_warned", set())
     mesh = mesh_2d()
     with pytest.warns(UserWarning, match=escaped(f"mesh of shape (1, {COUNT})")):
         distribution = kd.DataParallel(device_mesh=mesh)
     assert distribution.batch_dim_name == "batch"
     assert distribution.device_mesh is mesh
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kd.DataParallel(device_mesh=mesh)  # the same warning again: silent
+
+
+def test_warnings_stay_quiet_on_other_processes(monkeypatch):
+    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(runtime, "process_id", lambda: 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runtime.warn_once("only process 0 says this", UserWarning)
 
 
 def test_data_parallel_defaults_and_one_axis_mesh_do_not_warn():
