@@ -38,12 +38,46 @@ def numpy_random_stream(stream: np.random.RandomState | None) -> Iterator[None]:
         np.random.set_state(saved)
 
 
-# Callbacks that write files; in a multi-process job only process 0 runs them.
+# Callbacks that only write files; in a multi-process job only process 0 runs
+# them. (ModelCheckpoint is not among them: reading arrays that span processes
+# is collective, so every process must save; see `save_to_scratch`.)
 FILE_WRITING_CALLBACKS = (
     keras.callbacks.CSVLogger,
-    keras.callbacks.ModelCheckpoint,
     keras.callbacks.TensorBoard,
 )
+
+
+def save_to_scratch(model: Any) -> Callable[[], None]:
+    """Make `model.save` and `model.save_weights` write to a scratch directory
+    that is deleted at once; return the function that undoes it.
+
+    Used on processes other than 0: they still read every variable (which is
+    collective when arrays span processes) so that process 0's checkpoint does
+    not wait for them, but only process 0's file is kept.
+    """
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    cls = type(model)
+
+    def redirect(method_name: str) -> Callable[..., Any]:
+        method = getattr(cls, method_name)
+
+        def to_scratch(filepath: Any, *args: Any, **kwargs: Any) -> Any:
+            with tempfile.TemporaryDirectory(prefix="keras_dist_scratch_") as scratch:
+                target = os.path.join(scratch, os.path.basename(str(filepath)))
+                return method(model, target, *args, **kwargs)
+
+        return to_scratch
+
+    for name in ("save", "save_weights"):
+        object.__setattr__(model, name, redirect(name))
+
+    def restore() -> None:
+        for name in ("save", "save_weights"):
+            model.__dict__.pop(name, None)
+
+    return restore
 
 
 def _do_nothing(self: Any, *args: Any, **kwargs: Any) -> None:

@@ -10,6 +10,7 @@ import keras
 from keras_dist._keras_compat import (
     FILE_WRITING_CALLBACKS,
     KerasDistribution,
+    save_to_scratch,
     silence_callbacks,
 )
 from keras_dist.backends import get_adapter
@@ -48,6 +49,7 @@ class DistributedRun:
         self._previous: Any = None
         self._silenced = False
         self._restore_file_writers: Any = None
+        self._restore_saving: Any = None
         self.active = False
 
     def start(self) -> DistributedRun:
@@ -67,13 +69,15 @@ class DistributedRun:
         _active_runs[key] = self
         self.active = True
         # One voice: only process 0 shows progress bars and per-epoch logs and
-        # writes CSV logs, TensorBoard events and checkpoints.
+        # writes CSV logs and TensorBoard events; the others save checkpoints
+        # to a scratch directory (saving is collective) that is deleted.
         if get_adapter().process_id() != 0:
             quiet = not os.environ.get("KERAS_DIST_VERBOSE_ALL_PROCESSES")
             classes = FILE_WRITING_CALLBACKS
             if quiet:
                 classes = (*classes, keras.callbacks.ProgbarLogger)
             self._restore_file_writers = silence_callbacks(classes)
+            self._restore_saving = save_to_scratch(self.model)
             if quiet and keras.config.is_interactive_logging_enabled():
                 keras.config.disable_interactive_logging()
                 self._silenced = True
@@ -90,6 +94,9 @@ class DistributedRun:
         if self._restore_file_writers is not None:
             self._restore_file_writers()
             self._restore_file_writers = None
+        if self._restore_saving is not None:
+            self._restore_saving()
+            self._restore_saving = None
         try:
             get_adapter().deactivate(self.model)
         finally:

@@ -104,6 +104,8 @@ def test_only_process_zero_prints_progress_and_writes_logs(two_process_training)
     # The CSVLogger each process was given wrote on process 0 only.
     assert len((output_dir / "epochs-0.csv").read_text().splitlines()) == 4
     assert not (output_dir / "epochs-1.csv").exists()
+    assert (output_dir / "model-0.weights.h5").exists()
+    assert not (output_dir / "model-1.weights.h5").exists()
 
 
 def test_processes_feeding_their_own_data_train_like_one_process(tmp_path):

@@ -128,6 +128,10 @@ def train() -> dict:
         callbacks=[
             kd.DistributeCallback(distribution),
             keras.callbacks.CSVLogger(f"{OUTPUT_DIR}/epochs-{kd.process_id()}.csv"),
+            keras.callbacks.ModelCheckpoint(
+                f"{OUTPUT_DIR}/model-{kd.process_id()}.weights.h5",
+                save_weights_only=True,
+            ),
         ],
     ).history
     predictions = model.predict(
