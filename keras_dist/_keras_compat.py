@@ -112,7 +112,7 @@ def silence_callbacks(classes: tuple[type, ...]) -> Callable[[], None]:
 
 def update_compiled_metrics(
     model: Any, y: Any, y_pred: Any, mask: Any, weights: Any
-) -> Any:
+) -> None:
     """`compute_metrics`, but padded rows count in neither kind of metric.
 
     Keras hands `sample_weight` only to `weighted_metrics`; `metrics` ignore it
@@ -134,7 +134,6 @@ def update_compiled_metrics(
         ):
             if metric:
                 metric.update_state(y_true, y_out, sample_weight=weights)
-    return model.get_metrics_result()
 
 
 def uses_keras_compute_metrics(model: Any) -> bool:

@@ -160,7 +160,8 @@ def _update_metrics(
         # Keras weighs the loss by the padded batch size; only real rows count.
         model._loss_tracker.update_state(loss, sample_weight=real_rows)
         if uses_keras_compute_metrics(model):
-            logs = update_compiled_metrics(model, y, y_pred, mask, weights)
+            update_compiled_metrics(model, y, y_pred, mask, weights)
+            logs = model.get_metrics_result()
         else:
             # A model's own compute_metrics sees the padding as zero weights.
             logs = model.compute_metrics(x, y, y_pred, mask, weights)

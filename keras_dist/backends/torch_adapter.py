@@ -8,6 +8,7 @@ replicated silently.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 from typing import Any
 
@@ -25,6 +26,11 @@ _NOT_YET = (
     "{what} is not implemented yet for the PyTorch backend in keras_dist; "
     "DataParallel (replicated variables) works, and KERAS_BACKEND=jax has the rest."
 )
+
+
+def _destroy_process_group() -> None:
+    if torch_distributed.is_available() and torch_distributed.is_initialized():
+        torch_distributed.destroy_process_group()
 
 
 def _accelerator_type() -> str | None:
@@ -90,6 +96,9 @@ class TorchAdapter(BackendAdapter):
                 f"coordinated at {coordinator_address} within {timeout_seconds:g} "
                 f"s: {error}"
             ) from error
+        # Without this, gloo may abort the interpreter at exit ("terminate
+        # called without an active exception").
+        atexit.register(_destroy_process_group)
 
     def to_backend_mesh(self, device_mesh: Any) -> Any:
         raise NotImplementedError(_NOT_YET.format(what="DeviceMesh.backend_mesh"))

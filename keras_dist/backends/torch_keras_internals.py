@@ -101,26 +101,37 @@ def _sums_over_processes(values: list[Any], collectives: Collectives) -> list[An
     return sums
 
 
-def _global_results(model: Any, collectives: Collectives) -> dict[str, Any]:
-    """Metric results from the metric states summed over processes.
+def _synced_results(
+    model: Any, collectives: Collectives, *, average_non_trainable: bool = False
+) -> dict[str, Any]:
+    """Global metric results, in one all-reduce per call.
 
-    Each process keeps accumulating its own rows; the sums are taken on copies,
-    so the logs are the exact global values, the same on every process.
+    The metric states are summed over processes on copies (each process keeps
+    accumulating its own rows), so the results are the exact global values, the
+    same on every process. With `average_non_trainable`, the same all-reduce
+    also averages the state gradients do not sync (BatchNorm's moving
+    statistics), which then stays equal on every process.
     """
     own_results = type(model).get_metrics_result
-    variables = model.metrics_variables
-    if collectives.world_size == 1 or not variables:
+    if collectives.world_size == 1:
         return own_results(model)
-    local = [ops.copy(v.value) for v in variables]
-    for variable, total in zip(
-        variables, _sums_over_processes(local, collectives), strict=True
-    ):
+    metric_variables = list(model.metrics_variables)
+    shared = []
+    if average_non_trainable:
+        shared = [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
+    if not metric_variables and not shared:
+        return own_results(model)
+    local = [ops.copy(v.value) for v in metric_variables]
+    sums = _sums_over_processes([*local, *[v.value for v in shared]], collectives)
+    for variable, total in zip(shared, sums[len(local) :], strict=True):
+        variable.assign(ops.cast(total / collectives.world_size, variable.dtype))
+    for variable, total in zip(metric_variables, sums[: len(local)], strict=True):
         if variable.aggregation == "mean":
             total = total / collectives.world_size
         if variable.aggregation in ("sum", "mean"):
             variable.assign(ops.cast(total, variable.dtype))
     results = keras.tree.map_structure(ops.copy, own_results(model))
-    for variable, value in zip(variables, local, strict=True):
+    for variable, value in zip(metric_variables, local, strict=True):
         variable.assign(value)
     return results
 
@@ -136,19 +147,6 @@ def _update_metrics(
         update_compiled_metrics(model, y, y_pred, mask, weights)
     else:
         model.compute_metrics(x, y, y_pred, weights)
-
-
-def _average_non_trainable(model: Any, collectives: Collectives) -> None:
-    """Keep state that gradients do not sync (BatchNorm's moving statistics)
-    equal on every process: the average over processes, after every step."""
-    if collectives.world_size == 1:
-        return
-    variables = [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
-    if not variables:
-        return
-    sums = _sums_over_processes([v.value for v in variables], collectives)
-    for variable, total in zip(variables, sums, strict=True):
-        variable.assign(ops.cast(total / collectives.world_size, variable.dtype))
 
 
 def _unused_weights_error(model: Any) -> ValueError | None:
@@ -188,8 +186,7 @@ def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
                     raise error
             with collectives.no_grad():
                 model.optimizer.apply([v.value.grad for v in trainable], trainable)
-        _average_non_trainable(model, collectives)
-        return model.get_metrics_result()
+        return _synced_results(model, collectives, average_non_trainable=True)
 
     def test_step(batch: Any) -> Any:
         x, y, mask, weights, loss_weights = _weights(batch)
@@ -215,7 +212,7 @@ def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
 
     def get_metrics_result() -> dict[str, Any]:
         # Keras reads epoch logs and `evaluate`'s result from here too.
-        return _global_results(model, collectives)
+        return _synced_results(model, collectives)
 
     return {
         "train_step": train_step,
