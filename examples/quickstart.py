@@ -93,7 +93,9 @@ def main() -> None:
         verbose=0,
         return_dict=True,
     )
-    print(f"Final test accuracy: {results['accuracy']:.4f} (loss {results['loss']:.4f})")
+    print(
+        f"Final test accuracy: {results['accuracy']:.4f} (loss {results['loss']:.4f})"
+    )
 
 
 if __name__ == "__main__":
