@@ -21,3 +21,14 @@ def test_jax_trainer_internals_are_where_keras_dist_expects():
         f"Keras {keras.__version__} moved internals that the JAX adapter relies on: "
         f"{missing}. Update keras_dist/backends/jax_keras_internals.py."
     )
+
+
+@pytest.mark.backend("torch")
+def test_torch_trainer_internals_are_where_keras_dist_expects():
+    from keras_dist.backends import torch_keras_internals
+
+    missing = torch_keras_internals.check()
+    assert missing == [], (
+        f"Keras {keras.__version__} moved internals that the PyTorch adapter relies "
+        f"on: {missing}. Update keras_dist/backends/torch_keras_internals.py."
+    )
