@@ -142,10 +142,13 @@ class TorchAdapter(BackendAdapter):
             # Gradients are averaged by DDP's bucketed all-reduce during backward.
             forward = DistributedDataParallel(model)
 
-        def sum_across_processes(tensor: Any) -> Any:
-            if world_size > 1:
-                torch_distributed.all_reduce(tensor, op=torch_distributed.ReduceOp.SUM)
-            return tensor
+        def start_sum(tensor: Any) -> Any:
+            if world_size == 1:
+                return lambda: None
+            work = torch_distributed.all_reduce(
+                tensor, op=torch_distributed.ReduceOp.SUM, async_op=True
+            )
+            return work.wait
 
         def gather_from_processes(tensor: Any) -> Any:
             if world_size == 1:
@@ -156,7 +159,7 @@ class TorchAdapter(BackendAdapter):
 
         return internals.Collectives(
             world_size=world_size,
-            sum_across_processes=sum_across_processes,
+            start_sum=start_sum,
             gather_from_processes=gather_from_processes,
             forward=forward,
             no_grad=torch.no_grad,

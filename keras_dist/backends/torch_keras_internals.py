@@ -28,7 +28,8 @@ class Collectives:
     """What the steps need from torch.distributed, as plain callables."""
 
     world_size: int
-    sum_across_processes: Callable[[Any], Any]  # a float tensor, summed in place
+    # Starts summing a float tensor over processes in place; returns the wait.
+    start_sum: Callable[[Any], Callable[[], None]]
     gather_from_processes: Callable[[Any], Any]  # rows of every process, in rank order
     forward: Callable[..., Any]  # the model's forward through DDP
     no_grad: Callable[[], Any]
@@ -89,51 +90,63 @@ def _weights(batch: Any) -> tuple[Any, Any, Any, Any, Any]:
     return x, y, mask, weights, loss_weights
 
 
-def _sums_over_processes(values: list[Any], collectives: Collectives) -> list[Any]:
-    """Each of `values` summed over the processes, in one all-reduce (float64)."""
-    flat = ops.concatenate([ops.reshape(ops.cast(v, "float64"), (-1,)) for v in values])
-    collectives.sum_across_processes(flat)
-    sums, offset = [], 0
-    for value in values:
-        size = int(ops.size(value))
-        sums.append(ops.reshape(flat[offset : offset + size], value.shape))
-        offset += size
-    return sums
-
-
-def _synced_results(
-    model: Any, collectives: Collectives, *, average_non_trainable: bool = False
-) -> dict[str, Any]:
-    """Global metric results, in one all-reduce per call.
+class _MetricSync:
+    """Global metric results (and averaged BatchNorm statistics), one all-reduce.
 
     The metric states are summed over processes on copies (each process keeps
     accumulating its own rows), so the results are the exact global values, the
     same on every process. With `average_non_trainable`, the same all-reduce
-    also averages the state gradients do not sync (BatchNorm's moving
-    statistics), which then stays equal on every process.
+    averages the state gradients do not sync (BatchNorm's moving statistics),
+    which then stays equal on every process. `start` launches the all-reduce so
+    that the train step can overlap it with backward; `finish` waits for it.
     """
-    own_results = type(model).get_metrics_result
-    if collectives.world_size == 1:
-        return own_results(model)
-    metric_variables = list(model.metrics_variables)
-    shared = []
-    if average_non_trainable:
-        shared = [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
-    if not metric_variables and not shared:
-        return own_results(model)
-    local = [ops.copy(v.value) for v in metric_variables]
-    sums = _sums_over_processes([*local, *[v.value for v in shared]], collectives)
-    for variable, total in zip(shared, sums[len(local) :], strict=True):
-        variable.assign(ops.cast(total / collectives.world_size, variable.dtype))
-    for variable, total in zip(metric_variables, sums[: len(local)], strict=True):
-        if variable.aggregation == "mean":
-            total = total / collectives.world_size
-        if variable.aggregation in ("sum", "mean"):
-            variable.assign(ops.cast(total, variable.dtype))
-    results = keras.tree.map_structure(ops.copy, own_results(model))
-    for variable, value in zip(metric_variables, local, strict=True):
-        variable.assign(value)
-    return results
+
+    def __init__(
+        self, model: Any, collectives: Collectives, *, average_non_trainable: bool
+    ):
+        self._model = model
+        self._world_size = collectives.world_size
+        self._metrics = list(model.metrics_variables)
+        self._shared = []
+        if average_non_trainable:
+            self._shared = [
+                v for v in model.non_trainable_variables if "float" in str(v.dtype)
+            ]
+        self._local = [ops.copy(v.value) for v in self._metrics]
+        values = [*self._local, *[v.value for v in self._shared]]
+        self._shapes = [(int(ops.size(v)), v.shape) for v in values]
+        self._flat = ops.concatenate(
+            [ops.reshape(ops.cast(v, "float64"), (-1,)) for v in values]
+        )
+        self._wait = collectives.start_sum(self._flat)
+
+    def finish(self) -> dict[str, Any]:
+        self._wait()
+        sums, offset = [], 0
+        for size, shape in self._shapes:
+            sums.append(ops.reshape(self._flat[offset : offset + size], shape))
+            offset += size
+        count = len(self._local)
+        for variable, total in zip(self._shared, sums[count:], strict=True):
+            variable.assign(ops.cast(total / self._world_size, variable.dtype))
+        for variable, total in zip(self._metrics, sums[:count], strict=True):
+            if variable.aggregation == "mean":
+                total = total / self._world_size
+            if variable.aggregation in ("sum", "mean"):
+                variable.assign(ops.cast(total, variable.dtype))
+        results = keras.tree.map_structure(
+            ops.copy, type(self._model).get_metrics_result(self._model)
+        )
+        for variable, value in zip(self._metrics, self._local, strict=True):
+            variable.assign(value)
+        return results
+
+
+def _synced_results(model: Any, collectives: Collectives) -> dict[str, Any]:
+    """Global metric results now (see `_MetricSync`)."""
+    if collectives.world_size == 1 or not model.metrics_variables:
+        return type(model).get_metrics_result(model)
+    return _MetricSync(model, collectives, average_non_trainable=False).finish()
 
 
 def _update_metrics(
@@ -174,6 +187,11 @@ def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
         _update_metrics(
             model, loss, batch, (x, y, y_pred, mask, weights), collectives.world_size
         )
+        sync = None
+        if collectives.world_size > 1:
+            # Metric states and BatchNorm statistics are final for this step:
+            # their all-reduce runs while backward computes.
+            sync = _MetricSync(model, collectives, average_non_trainable=True)
         if model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
         trainable = model.trainable_weights[:]
@@ -186,7 +204,9 @@ def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
                     raise error
             with collectives.no_grad():
                 model.optimizer.apply([v.value.grad for v in trainable], trainable)
-        return _synced_results(model, collectives, average_non_trainable=True)
+        if sync is None:
+            return type(model).get_metrics_result(model)
+        return sync.finish()
 
     def test_step(batch: Any) -> Any:
         x, y, mask, weights, loss_weights = _weights(batch)
