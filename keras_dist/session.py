@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -47,9 +48,7 @@ class DistributedRun:
         self.model = model
         self.distribution = distribution
         self._previous: Any = None
-        self._silenced = False
-        self._restore_file_writers: Any = None
-        self._restore_saving: Any = None
+        self._undo: list[Callable[[], None]] = []  # run in reverse by `stop`
         self.active = False
 
     def start(self) -> DistributedRun:
@@ -76,11 +75,11 @@ class DistributedRun:
             classes = FILE_WRITING_CALLBACKS
             if quiet:
                 classes = (*classes, keras.callbacks.ProgbarLogger)
-            self._restore_file_writers = silence_callbacks(classes)
-            self._restore_saving = save_to_scratch(self.model)
+            self._undo.append(silence_callbacks(classes))
+            self._undo.append(save_to_scratch(self.model))
             if quiet and keras.config.is_interactive_logging_enabled():
                 keras.config.disable_interactive_logging()
-                self._silenced = True
+                self._undo.append(keras.config.enable_interactive_logging)
         return self
 
     def stop(self) -> None:
@@ -88,15 +87,8 @@ class DistributedRun:
             return
         self.active = False
         _active_runs.pop(id(self.model), None)
-        if self._silenced:
-            keras.config.enable_interactive_logging()
-            self._silenced = False
-        if self._restore_file_writers is not None:
-            self._restore_file_writers()
-            self._restore_file_writers = None
-        if self._restore_saving is not None:
-            self._restore_saving()
-            self._restore_saving = None
+        while self._undo:
+            self._undo.pop()()
         try:
             get_adapter().deactivate(self.model)
         finally:
