@@ -112,6 +112,31 @@ def test_unused_weights_are_named(tmp_path):
         ].replace("unused/kernel", "")
 
 
+def test_processes_feeding_their_own_data_train_like_one_process(tmp_path):
+    """auto_shard_dataset=False with 19 and 18 samples per rank."""
+    results = run_job(
+        "torch_worker.py",
+        ["own_data"],
+        processes=2,
+        env=TORCH,
+        output_dir=tmp_path / "two",
+    )
+    (reference,) = run_job(
+        "torch_worker.py",
+        ["own_data_reference"],
+        processes=1,
+        env=TORCH,
+        output_dir=tmp_path / "one",
+    )
+    for result in results:
+        for ours, expected in zip(result["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
+        for key, values in reference["history"].items():
+            np.testing.assert_allclose(result["history"][key], values, atol=1e-5)
+        assert result["predictions_match"]
+    assert [r["rows"] for r in results] == [19, 18]
+
+
 def test_launcher_ends_the_job_when_a_rank_dies_mid_epoch(tmp_path):
     started = time.monotonic()
     result = subprocess.run(

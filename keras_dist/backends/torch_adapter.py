@@ -19,7 +19,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from keras_dist.backends import torch_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
-from keras_dist.backends.torch_input_adapter import RankBatches
+from keras_dist.backends.torch_input_adapter import (
+    ProcessLocalRankBatches,
+    RankBatches,
+)
 from keras_dist.padding import check_same_input
 
 _NOT_YET = (
@@ -185,8 +188,6 @@ class TorchAdapter(BackendAdapter):
 
     def activate(self, model: Any, distribution: Any) -> None:
         self._check_layouts(model, distribution)
-        if not distribution.auto_shard_dataset and distribution.num_processes > 1:
-            raise NotImplementedError(_NOT_YET.format(what="auto_shard_dataset=False"))
         world_size, rank = self._world()
         if world_size > 1:
             self._broadcast_from_process_zero(model)
@@ -198,7 +199,20 @@ class TorchAdapter(BackendAdapter):
         shuffle_stream = np.random.RandomState(int(seed.item()))
         device = self._device()
 
+        def gather_sizes(local: np.ndarray) -> np.ndarray:
+            tensor = torch.as_tensor(local)
+            parts = [torch.empty_like(tensor) for _ in range(world_size)]
+            torch_distributed.all_gather(parts, tensor)
+            return torch.stack(parts).numpy()
+
         def batches_for_epoch(data_adapter: Any) -> Any:
+            if world_size > 1 and not distribution.auto_shard_dataset:
+                # Each process reads its own part of the data.
+                return ProcessLocalRankBatches(
+                    data_adapter.get_numpy_iterator(),
+                    device=device,
+                    gather_sizes=gather_sizes,
+                )
             return RankBatches(
                 data_adapter.get_numpy_iterator(),
                 world_size=world_size,

@@ -27,12 +27,15 @@ class RankBatch(NamedTuple):
         global_rows: real rows in the global batch, over all processes.
         padded_rows: rows of the padded global batch (every rank holds an equal
             share of them).
+        own_predictions: `predict` returns this process' rows only (each
+            process fed its own data) instead of every process' rows.
     """
 
     data: Any
     mask: Any
     global_rows: int
     padded_rows: int
+    own_predictions: bool = False
 
 
 def _as_numpy(leaf: Any) -> Any:
@@ -109,4 +112,74 @@ class RankBatches:
             self._to_device(mask[rows]),
             size,
             padded,
+        )
+
+
+class ProcessLocalRankBatches:
+    """Iterator over one epoch when each process reads its own data.
+
+    For `auto_shard_dataset=False`. The processes agree on every step's sizes
+    (one small all-gather), pad their shares to the largest with masked rows and
+    keep stepping with fully masked batches until every process has run out, so
+    they all run the same number of steps and none waits forever.
+
+    Args:
+        batches: this process' batches from Keras' data adapter.
+        device: where this process computes.
+        gather_sizes: all-gathers `[rows, exhausted]` from every process.
+    """
+
+    def __init__(
+        self,
+        batches: Any,
+        *,
+        device: torch.device,
+        gather_sizes: Callable[[np.ndarray], np.ndarray],
+    ):
+        self._batches = iter(batches)
+        self._device = device
+        self._gather_sizes = gather_sizes
+        self._exhausted = False
+        self._template: Any = None
+
+    def __iter__(self) -> ProcessLocalRankBatches:
+        return self
+
+    def __next__(self) -> RankBatch:
+        local = None
+        if not self._exhausted:
+            try:
+                local = keras.tree.map_structure(_as_numpy, next(self._batches))
+            except StopIteration:
+                self._exhausted = True
+        if local is not None and self._template is None:
+            self._template = local
+        size = 0 if local is None else leading_dim(local)
+        sizes = self._gather_sizes(np.array([size, local is None], "int64"))
+        if sizes[:, 1].all():
+            raise StopIteration
+        if self._template is None:
+            raise ValueError(
+                "This process has no data at all while others do; with "
+                "auto_shard_dataset=False every process needs its part."
+            )
+        share = int(sizes[:, 0].max())
+        if local is None:
+            local = keras.tree.map_structure(
+                lambda leaf: None if leaf is None else leaf[:0], self._template
+            )
+
+        def padded(leaf: Any) -> Any:
+            if leaf is None:
+                return None
+            return torch.as_tensor(pad_rows(leaf, share - size), device=self._device)
+
+        mask = np.zeros((share,), "float32")
+        mask[:size] = 1.0
+        return RankBatch(
+            keras.tree.map_structure(padded, local),
+            torch.as_tensor(mask, device=self._device),
+            int(sizes[:, 0].sum()),
+            share * len(sizes),
+            own_predictions=True,
         )

@@ -224,6 +224,9 @@ def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
         x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch.data)
         kwargs = {"training": False} if model._call_has_training_arg else {}
         y_pred = model(x, **kwargs)
+        if batch.own_predictions:
+            real = batch.mask > 0
+            return keras.tree.map_structure(lambda output: output[real], y_pred)
         real = collectives.gather_from_processes(batch.mask) > 0
         # Every process gets the whole prediction, in input order.
         return keras.tree.map_structure(

@@ -20,7 +20,12 @@ from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402
 from keras_dist.backends.torch_input_adapter import RankBatches  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from jax_worker import _inputs, lose_a_process  # noqa: E402
+from jax_worker import (  # noqa: E402
+    _inputs,
+    lose_a_process,
+    own_data,
+    own_data_reference,
+)
 
 
 def seen_ids(kind: str) -> list[list[float]]:
@@ -137,6 +142,10 @@ def main() -> None:
         result = train(batch_norm=False)
     elif scenario == "train_batch_norm":
         result = train(batch_norm=True)
+    elif scenario == "own_data":
+        result = own_data()
+    elif scenario == "own_data_reference":
+        result = own_data_reference()
     elif scenario == "lose_a_process":
         result = lose_a_process()
     elif scenario == "unused_weight":
