@@ -89,3 +89,26 @@ def run_job(
 
 def log_of(output_dir: pathlib.Path, rank: int) -> str:
     return (output_dir / f"log-{rank}.txt").read_text()
+
+
+def assert_each_sample_once_per_epoch(results: list[dict], samples: int) -> None:
+    """Every id in `range(samples)` reached exactly one process, each epoch."""
+    for epoch in range(len(results[0]["ids"])):
+        per_process = [result["ids"][epoch] for result in results]
+        assert all(per_process), "every process trains on some samples"
+        seen = [sample for ids in per_process for sample in ids]
+        assert len(seen) == len(set(seen)), "no sample twice"
+        assert sorted(seen) == list(map(float, range(samples)))
+
+
+def assert_own_data_parity(results: list[dict], reference: dict) -> None:
+    """Processes that fed their own data trained like the one-process run."""
+    import numpy as np  # noqa: PLC0415
+
+    for result in results:
+        for ours, expected in zip(result["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
+        for key, values in reference["history"].items():
+            np.testing.assert_allclose(result["history"][key], values, atol=1e-5)
+        assert result["predictions_match"]
+    assert [r["rows"] for r in results] == [19, 18]

@@ -12,7 +12,14 @@ import time
 import numpy as np
 import pytest
 
-from tests.multiprocess import WORKERS, free_port, log_of, run_job
+from tests.multiprocess import (
+    WORKERS,
+    assert_each_sample_once_per_epoch,
+    assert_own_data_parity,
+    free_port,
+    log_of,
+    run_job,
+)
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
@@ -29,13 +36,8 @@ def test_every_sample_once_per_epoch_across_processes(kind, tmp_path):
     results = run_job(
         "jax_worker.py", [kind], processes=2, env=TWO_BY_TWO, output_dir=tmp_path
     )
-    epochs = len(results[0]["ids"])
-    for epoch in range(epochs):
-        per_process = [result["ids"][epoch] for result in results]
-        assert all(per_process), "every process trains on some samples"
-        assert not set(per_process[0]) & set(per_process[1]), "no duplicates"
-        assert sorted(per_process[0] + per_process[1]) == list(map(float, range(37)))
-    if kind == "numpy" and epochs > 1:
+    assert_each_sample_once_per_epoch(results, 37)
+    if kind == "numpy":
         # Shuffled: a new global permutation each epoch.
         assert results[0]["ids"][0] != results[0]["ids"][1]
 
@@ -126,13 +128,7 @@ def test_processes_feeding_their_own_data_train_like_one_process(tmp_path):
         env=ONE_BY_FOUR,
         output_dir=tmp_path / "one",
     )
-    for result in results:
-        for ours, expected in zip(result["weights"], reference["weights"], strict=True):
-            np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
-        for key, values in reference["history"].items():
-            np.testing.assert_allclose(result["history"][key], values, atol=1e-5)
-        assert result["predictions_match"]
-    assert [r["rows"] for r in results] == [19, 18]
+    assert_own_data_parity(results, reference)
 
 
 def test_processes_reading_different_data_fail_naming_them(tmp_path):

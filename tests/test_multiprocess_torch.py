@@ -9,7 +9,13 @@ import time
 import numpy as np
 import pytest
 
-from tests.multiprocess import WORKERS, log_of, run_job
+from tests.multiprocess import (
+    WORKERS,
+    assert_each_sample_once_per_epoch,
+    assert_own_data_parity,
+    log_of,
+    run_job,
+)
 
 pytestmark = pytest.mark.backend("torch")
 
@@ -23,11 +29,7 @@ def test_every_sample_once_per_epoch_across_processes(kind, tmp_path):
     results = run_job(
         "torch_worker.py", [kind], processes=2, env=TORCH, output_dir=tmp_path
     )
-    for epoch in range(len(results[0]["ids"])):
-        per_process = [result["ids"][epoch] for result in results]
-        assert all(per_process)
-        assert not set(per_process[0]) & set(per_process[1])
-        assert sorted(per_process[0] + per_process[1]) == list(map(float, range(37)))
+    assert_each_sample_once_per_epoch(results, 37)
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +130,7 @@ def test_processes_feeding_their_own_data_train_like_one_process(tmp_path):
         env=TORCH,
         output_dir=tmp_path / "one",
     )
-    for result in results:
-        for ours, expected in zip(result["weights"], reference["weights"], strict=True):
-            np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
-        for key, values in reference["history"].items():
-            np.testing.assert_allclose(result["history"][key], values, atol=1e-5)
-        assert result["predictions_match"]
-    assert [r["rows"] for r in results] == [19, 18]
+    assert_own_data_parity(results, reference)
 
 
 def test_launcher_ends_the_job_when_a_rank_dies_mid_epoch(tmp_path):
