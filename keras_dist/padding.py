@@ -71,6 +71,18 @@ def pad_batch(data: Any, multiple: int) -> Any:
     return MaskedBatch(padded, mask)
 
 
+def masked_row_weights(mask: Any, sample_weight: Any) -> Any:
+    """Per-row weights: the user's `sample_weight` with padded rows zeroed.
+
+    Works on backend tensors (inside a traced step too) through `keras.ops`.
+    """
+    if sample_weight is None:
+        return mask
+    mask = keras.ops.cast(mask, sample_weight.dtype)
+    mask = keras.ops.reshape(mask, (-1,) + (1,) * (len(sample_weight.shape) - 1))
+    return sample_weight * mask
+
+
 def fingerprint(batch: Any) -> int:
     """A 56-bit hash of a batch's arrays, to compare what processes read."""
     digest = hashlib.blake2b(digest_size=7)

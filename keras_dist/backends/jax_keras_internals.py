@@ -18,7 +18,7 @@ from keras.src.backend.jax import trainer as jax_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dist._keras_compat import update_compiled_metrics, uses_keras_compute_metrics
-from keras_dist.padding import MaskedBatch
+from keras_dist.padding import MaskedBatch, masked_row_weights
 
 _original_get_iterator = jax_trainer.JAXEpochIterator._get_iterator
 _batch_source: list[Callable[[Iterator[Any]], Iterator[Any]]] = []
@@ -142,15 +142,6 @@ def slot_owners(optimizer: Any, model_variables: list[Any]) -> dict[int, Any]:
 
 
 # -- step functions that honour a padding mask ---------------------------------
-def _row_weights(mask: Any, sample_weight: Any) -> Any:
-    """Per-row weights: the user's `sample_weight` with padded rows zeroed."""
-    if sample_weight is None:
-        return mask
-    mask = ops.cast(mask, sample_weight.dtype)
-    mask = ops.reshape(mask, (-1,) + (1,) * (len(sample_weight.shape) - 1))
-    return sample_weight * mask
-
-
 def _update_metrics(
     model: Any, metrics_variables: Any, loss: Any, real_rows: Any, batch: Any
 ) -> tuple[Any, list[Any]]:
@@ -176,7 +167,7 @@ def _split(batch: MaskedBatch) -> tuple[Any, Any, Any, Any, Any, Any]:
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch.data)
     mask = batch.mask
     real_rows = ops.sum(mask)
-    weights = _row_weights(mask, sample_weight)
+    weights = masked_row_weights(mask, sample_weight)
     # `sum_over_batch_size` divides by the padded size; rescaling the weights
     # makes the loss (and its gradient) the mean over the real rows.
     loss_weights = weights * ops.cast(mask.shape[0] / real_rows, weights.dtype)

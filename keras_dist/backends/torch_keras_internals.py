@@ -17,6 +17,7 @@ from keras.src.backend.torch import trainer as torch_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dist._keras_compat import update_compiled_metrics, uses_keras_compute_metrics
+from keras_dist.padding import masked_row_weights
 
 _original_get_iterator = torch_trainer.TorchEpochIterator._get_iterator
 _batch_source: list[Callable[[Any], Iterator[Any]]] = []
@@ -79,10 +80,7 @@ def unroute_batches() -> None:
 def _weights(batch: Any) -> tuple[Any, Any, Any, Any, Any]:
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch.data)
     mask = batch.mask
-    weights = mask
-    if sample_weight is not None:
-        shaped = ops.reshape(mask, (-1,) + (1,) * (len(sample_weight.shape) - 1))
-        weights = sample_weight * ops.cast(shaped, sample_weight.dtype)
+    weights = masked_row_weights(mask, sample_weight)
     # Each process averages its loss over its share of the padded batch and DDP
     # averages the gradients over processes; this scale turns that into the mean
     # over the real rows of the global batch.
