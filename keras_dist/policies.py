@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -9,6 +11,7 @@ import numpy as np
 
 from keras_dist import runtime
 from keras_dist._keras_compat import KerasDistribution
+from keras_dist.backends import get_adapter
 from keras_dist.mesh import (
     DeviceMesh,
     TensorLayout,
@@ -105,6 +108,18 @@ class Distribution(KerasDistribution):
 
     def get_tensor_layout(self, path: str) -> Any:
         return None
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Make this the global distribution inside the block.
+
+        Models built inside get their variables laid out at creation. On
+        TensorFlow the block is also the scope of the `tf.distribute` strategy
+        that runs this distribution, so the variables are mirrored from the
+        start.
+        """
+        with super().scope(), get_adapter().scope(self):
+            yield
 
     def distribute_dataset(self, dataset: Any) -> Any:
         """Return `dataset` unchanged: keras_dist splits its batches later.

@@ -11,18 +11,31 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_dist"
 BACKEND_IMPORT = re.compile(r"^\s*(import|from)\s+(jax|torch|tensorflow)\b", re.M)
 
 
-def test_only_backend_adapters_import_jax_torch_or_tensorflow():
+_BACKEND_PREFIX = {"jax": "jax_", "torch": "torch_", "tensorflow": "tf_"}
+
+
+def test_only_each_backends_own_modules_import_it():
+    # jax, torch and tensorflow are imported only by the backends/ modules named
+    # for them (jax_*.py, torch_*.py, tf_*.py), each only its own.
     offenders = [
-        str(path.relative_to(PACKAGE))
+        f"{path.relative_to(PACKAGE)} imports {match.group(2)}"
         for path in PACKAGE.rglob("*.py")
-        if BACKEND_IMPORT.search(path.read_text())
-        and not (path.parent.name == "backends" and path.name.endswith("_adapter.py"))
+        for match in BACKEND_IMPORT.finditer(path.read_text())
+        if not (
+            path.parent.name == "backends"
+            and path.name.startswith(_BACKEND_PREFIX[match.group(2)])
+        )
     ]
     assert offenders == []
 
 
 def test_keras_private_imports_stay_in_the_compat_modules():
-    allowed = {"_keras_compat.py", "jax_keras_internals.py", "torch_keras_internals.py"}
+    allowed = {
+        "_keras_compat.py",
+        "jax_keras_internals.py",
+        "torch_keras_internals.py",
+        "tf_keras_internals.py",
+    }
     offenders = [
         str(path.relative_to(PACKAGE))
         for path in PACKAGE.rglob("*.py")

@@ -8,6 +8,7 @@ imports jax, torch or tensorflow and never branches on the backend name.
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any
 
 
@@ -80,6 +81,11 @@ class BackendAdapter(abc.ABC):
         compiled step that was built for another layout. The distribution is
         already the global one when this is called.
         """
+
+    def scope(self, distribution: Any) -> Any:
+        """A context manager entered by `distribution.scope()`, after the
+        distribution became the global one. Nothing more by default."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def deactivate(self, model: Any) -> None:

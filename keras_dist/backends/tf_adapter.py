@@ -1,21 +1,31 @@
-"""TensorFlow adapter: logical devices; tf.distribute training comes later.
+"""TensorFlow adapter: `DataParallel` on tf.distribute.
 
-Devices and process counts work today. Training under a distribution is not
-implemented yet: those methods raise `NotImplementedError` instead of letting
-Keras ignore the distribution and train on one device.
+One process drives its local devices with `MirroredStrategy` (logical CPU
+devices with `KERAS_DIST_CPU_DEVICES=N`); a multi-process job runs
+`MultiWorkerMirroredStrategy`, whose `TF_CONFIG` comes from the cluster or from
+an address exchange through the coordinator. The steps run inside Keras'
+TF trainer (`strategy.run` under `tf.function`); keras_dist feeds each replica
+its padded, masked rows and makes the metrics global. Sharded variables
+(`ModelParallel`) raise `NotImplementedError`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
+from keras_dist import _rendezvous
+from keras_dist.backends import tf_input_adapter as inputs
+from keras_dist.backends import tf_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
 
 _NOT_YET = (
-    "{what} is not implemented yet for the TensorFlow backend in keras_dist; "
-    "use KERAS_BACKEND=jax for distributed training meanwhile."
+    "{what} is not implemented for the TensorFlow backend in keras_dist; "
+    "DataParallel works, and KERAS_BACKEND=jax has ModelParallel."
 )
 
 
@@ -25,8 +35,26 @@ def _device_name(logical_device: Any) -> str:
     return f"{logical_device.device_type.lower()}:{index}"
 
 
+def _tf_device(name: str) -> str:
+    kind, _, index = str(name).partition(":")
+    return f"/device:{kind.upper()}:{index or 0}"
+
+
+def _tf_config(addresses: list[str], index: int) -> str:
+    return json.dumps(
+        {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}
+    )
+
+
 class TensorFlowAdapter(BackendAdapter):
     name = "tensorflow"
+
+    def __init__(self) -> None:
+        self._mirrored: dict[tuple[str, ...], Any] = {}
+        self._multi_worker: Any = None
+        self._worker_index = 0
+        self._num_workers = 1
+        self._runs: dict[int, list[Any]] = {}
 
     def simulate_cpu_devices(self, count: int) -> None:
         cpus = tf.config.list_physical_devices("CPU")
@@ -43,7 +71,7 @@ class TensorFlowAdapter(BackendAdapter):
                     "variable before the first TensorFlow operation."
                 ) from None
 
-    def list_devices(self, device_type: str | None = None) -> list[str]:
+    def _local_devices(self, device_type: str | None) -> list[str]:
         if device_type is None:
             for candidate in ("TPU", "GPU"):
                 if tf.config.list_logical_devices(candidate):
@@ -54,14 +82,25 @@ class TensorFlowAdapter(BackendAdapter):
         devices = tf.config.list_logical_devices(device_type.upper())
         return [_device_name(device) for device in devices]
 
+    def list_devices(self, device_type: str | None = None) -> list[str]:
+        local = self._local_devices(device_type)
+        if self._multi_worker is None:
+            return local
+        # Each worker drives the devices its strategy replicates over.
+        per_worker = len(self._multi_worker.extended.worker_devices)
+        kind = local[0].split(":")[0] if local else "cpu"
+        return [f"{kind}:{i}" for i in range(per_worker * self._num_workers)]
+
     def local_device_count(self, device_type: str | None = None) -> int:
-        return len(self.list_devices(device_type))
+        if self._multi_worker is not None:
+            return len(self._multi_worker.extended.worker_devices)
+        return len(self._local_devices(device_type))
 
     def num_processes(self) -> int:
-        return 1
+        return self._num_workers
 
     def process_id(self) -> int:
-        return 0
+        return self._worker_index
 
     def initialize(
         self,
@@ -71,8 +110,34 @@ class TensorFlowAdapter(BackendAdapter):
         *,
         timeout_seconds: float,
     ) -> None:
-        raise NotImplementedError(_NOT_YET.format(what="Multi-process TensorFlow"))
+        config = os.environ.get("TF_CONFIG")
+        if not config:
+            addresses = _rendezvous.exchange_addresses(
+                coordinator_address,
+                num_processes,
+                process_id,
+                timeout_seconds=timeout_seconds,
+            )
+            os.environ["TF_CONFIG"] = _tf_config(addresses, process_id)
+        options = tf.distribute.experimental.CommunicationOptions(
+            timeout_seconds=timeout_seconds
+        )
+        try:
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                communication_options=options
+            )
+        except Exception as error:
+            raise RuntimeError(
+                f"Process {process_id} of {num_processes} could not start "
+                f"TensorFlow's multi-worker runtime (TF_CONFIG="
+                f"{os.environ.get('TF_CONFIG')}): {error}"
+            ) from error
+        self._multi_worker = strategy
+        self._num_workers = num_processes
+        self._worker_index = process_id
+        internals.install_multi_worker_fixes()
 
+    # -- layouts ---------------------------------------------------------------
     def to_backend_mesh(self, device_mesh: Any) -> Any:
         raise NotImplementedError(_NOT_YET.format(what="DeviceMesh.backend_mesh"))
 
@@ -82,13 +147,98 @@ class TensorFlowAdapter(BackendAdapter):
     def distribute_tensor(self, tensor: Any, tensor_layout: Any) -> Any:
         raise NotImplementedError(_NOT_YET.format(what="distribute_tensor"))
 
+    # -- strategies ------------------------------------------------------------
+    def strategy(self, distribution: Any) -> Any:
+        """The tf.distribute strategy that runs `distribution`.
+
+        One `MultiWorkerMirroredStrategy` per multi-process job; otherwise one
+        `MirroredStrategy` per set of devices, so that models built under
+        `distribution.scope()` and the runs that train them share it.
+        """
+        self._check_layouts(distribution)
+        if self._multi_worker is not None:
+            strategy = self._multi_worker
+        else:
+            devices = tuple(
+                _tf_device(d) for d in np.asarray(distribution.device_mesh.devices).flat
+            )
+            if devices not in self._mirrored:
+                self._mirrored[devices] = tf.distribute.MirroredStrategy(
+                    devices=list(devices)
+                )
+            strategy = self._mirrored[devices]
+        if distribution.num_model_replicas != strategy.num_replicas_in_sync:
+            raise ValueError(
+                f"The DataParallel mesh has {distribution.num_model_replicas} "
+                f"devices but TensorFlow replicates over "
+                f"{strategy.num_replicas_in_sync} ({self._num_workers} "
+                "process(es)). Build the distribution from "
+                "keras_dist.list_devices() after keras_dist.initialize()."
+            )
+        return strategy
+
+    def scope(self, distribution: Any) -> Any:
+        return self.strategy(distribution).scope()
+
+    def _check_layouts(self, distribution: Any) -> None:
+        layout_map = getattr(distribution, "layout_map", None)
+        for key in list(layout_map.keys()) if layout_map is not None else []:
+            layout = layout_map[key]
+            axes = getattr(layout, "axes", layout)
+            if axes is not None and any(axis is not None for axis in axes):
+                raise NotImplementedError(
+                    _NOT_YET.format(
+                        what=f"Sharding variables (here {key!r} as {tuple(axes)}, "
+                        "through DTensor)"
+                    )
+                )
+
+    # -- training --------------------------------------------------------------
+    def _shared_seed(self, strategy: Any) -> int:
+        """A seed drawn by process 0, the same in every process."""
+        seed = np.random.randint(0, 2**31 - 1) if self._worker_index == 0 else 0
+
+        def value(context: Any) -> Any:
+            first = context.replica_id_in_sync_group == 0
+            return tf.constant(seed if first else 0, tf.int64)
+
+        per_replica = strategy.experimental_distribute_values_from_function(value)
+        return int(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, None))
+
     def activate(self, model: Any, distribution: Any) -> None:
-        raise NotImplementedError(
-            _NOT_YET.format(what=f"Training under {type(distribution).__name__}")
-        )
+        strategy = self.strategy(distribution)
+        internals.attach_strategy(model, strategy)
+        shuffle_stream = None
+        if self._multi_worker is not None:
+            shuffle_stream = np.random.RandomState(self._shared_seed(strategy))
+
+        def batches_for_epoch(data_adapter: Any) -> Any:
+            def make_dataset() -> Any:
+                if shuffle_stream is not None and getattr(data_adapter, "_shuffle", False):
+                    return inputs.numpy_batches_dataset(data_adapter, shuffle_stream)
+                return data_adapter.get_tf_dataset()
+
+            # Variables created outside `distribution.scope()` are mirrored
+            # now, before the optimizer's slots are created next to them.
+            internals.mirror_variables(model, strategy)
+            internals.build_from(model, strategy, make_dataset().element_spec)
+            return inputs.distributed_batches(
+                strategy,
+                make_dataset,
+                num_workers=self._num_workers,
+                worker_index=self._worker_index,
+            )
+
+        unmanage = internals.manage(strategy)
+        internals.route_batches(batches_for_epoch)
+        internals.install_steps(model, internals.make_steps(model))
+        self._runs[id(model)] = [unmanage]
 
     def deactivate(self, model: Any) -> None:
-        raise NotImplementedError(_NOT_YET.format(what="Distributed training"))
+        internals.remove_steps(model)
+        internals.unroute_batches()
+        for undo in self._runs.pop(id(model), []):
+            undo()
 
 
 ADAPTER = TensorFlowAdapter()

@@ -1,7 +1,9 @@
 """PyTorch adapter: one process per device, `torch.distributed` process groups.
 
 `DataParallel` trains through torch's own `DistributedDataParallel` inside
-Keras' `fit`. Sharded variables (`ModelParallel` layouts, through DTensor) are
+Keras' `fit`. A torch `DataLoader` is split between processes the way
+`DistributedSampler` splits a dataset, epoch set automatically: each process
+loads only its own rows of each global batch (`ShardedLoader`). Sharded variables (`ModelParallel` layouts, through DTensor) are
 not implemented yet: they raise `NotImplementedError` rather than train
 replicated silently.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import weakref
 from typing import Any
 
 import numpy as np
@@ -22,6 +25,8 @@ from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.torch_input_adapter import (
     ProcessLocalRankBatches,
     RankBatches,
+    ShardedLoader,
+    shard_loader,
 )
 from keras_dist.padding import check_same_input
 
@@ -205,6 +210,12 @@ class TorchAdapter(BackendAdapter):
             torch_distributed.all_gather(parts, tensor)
             return torch.stack(parts).numpy()
 
+        # Per Keras data adapter wrapping a torch DataLoader: the loader split
+        # between processes, or None when it cannot be (see `shard_loader`).
+        sharded: weakref.WeakKeyDictionary[Any, ShardedLoader | None] = (
+            weakref.WeakKeyDictionary()
+        )
+
         def batches_for_epoch(data_adapter: Any) -> Any:
             if world_size > 1 and not distribution.auto_shard_dataset:
                 # Each process reads its own part of the data.
@@ -213,6 +224,21 @@ class TorchAdapter(BackendAdapter):
                     device=device,
                     gather_sizes=gather_sizes,
                 )
+            loader = internals.data_loader_of(data_adapter)
+            if loader is not None:
+                if data_adapter not in sharded:
+                    # Keras asks for each epoch's iterator at the same point on
+                    # every process, so this collective is reached by all.
+                    sharded[data_adapter] = shard_loader(
+                        loader,
+                        world_size=world_size,
+                        rank=rank,
+                        device=device,
+                        gather=gather_sizes if world_size > 1 else None,
+                    )
+                if sharded[data_adapter] is not None:
+                    # Each process loads only its rows of each global batch.
+                    return sharded[data_adapter].epoch()
             return RankBatches(
                 data_adapter.get_numpy_iterator(),
                 world_size=world_size,

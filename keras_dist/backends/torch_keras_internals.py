@@ -14,7 +14,10 @@ from typing import Any
 import keras
 from keras import ops
 from keras.src.backend.torch import trainer as torch_trainer
-from keras.src.trainers.data_adapters import data_adapter_utils
+from keras.src.trainers.data_adapters import (
+    data_adapter_utils,
+    torch_data_loader_adapter,
+)
 
 from keras_dist._keras_compat import update_compiled_metrics, uses_keras_compute_metrics
 from keras_dist.padding import masked_row_weights
@@ -43,6 +46,14 @@ def check() -> list[str]:
         missing.append("keras.src.backend.torch.trainer.TorchEpochIterator")
     elif not hasattr(torch_trainer.TorchEpochIterator, "_get_iterator"):
         missing.append("TorchEpochIterator._get_iterator")
+    loader_adapter = getattr(torch_data_loader_adapter, "TorchDataLoaderAdapter", None)
+    if loader_adapter is None:
+        missing.append(
+            "keras.src.trainers.data_adapters.torch_data_loader_adapter."
+            "TorchDataLoaderAdapter"
+        )
+    elif not hasattr(loader_adapter, "get_torch_dataloader"):
+        missing.append("TorchDataLoaderAdapter.get_torch_dataloader")
     for name in ("train_step", "test_step", "predict_step", "_compute_loss"):
         if not hasattr(torch_trainer.TorchTrainer, name):
             missing.append(f"TorchTrainer.{name}")
@@ -61,6 +72,17 @@ def _patched_get_iterator(epoch_iterator: Any) -> Any:
     if _batch_source:
         return _batch_source[-1](epoch_iterator.data_adapter)
     return _original_get_iterator(epoch_iterator)
+
+
+def data_loader_of(data_adapter: Any) -> Any:
+    """The torch `DataLoader` that `fit` received, or None for other input.
+
+    Keras wraps a DataLoader in its `TorchDataLoaderAdapter`, which hands the
+    very same loader back from `get_torch_dataloader()`.
+    """
+    if isinstance(data_adapter, torch_data_loader_adapter.TorchDataLoaderAdapter):
+        return data_adapter.get_torch_dataloader()
+    return None
 
 
 def route_batches(source: Callable[[Any], Iterator[Any]]) -> None:

@@ -1,0 +1,349 @@
+"""Every Keras private internal the TensorFlow adapter relies on, in one place.
+
+`tests/test_keras_internals.py` calls `check()` and fails loudly when a Keras
+release moves any of these. It also holds the workarounds for Keras 3's
+multi-worker bugs (keras-team/keras#20585), each reproduced by a test in
+`tests/test_tf_training.py` so it can go when Keras fixes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras import ops
+from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_dist._keras_compat import update_compiled_metrics, uses_keras_compute_metrics
+from keras_dist.backends.tf_input_adapter import DATA, MASK, SCALE
+from keras_dist.padding import masked_row_weights
+
+_original_get_iterator = tf_trainer.TFEpochIterator._get_iterator
+_original_reduce_per_replica = tf_trainer.reduce_per_replica
+_original_maybe_symbolic_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+_batch_source: list[Callable[[Any], Any]] = []
+_STEP_NAMES = ("train_step", "test_step", "predict_step")
+# Strategies whose step outputs keras_dist already made global (metrics) or
+# trimmed to real rows (predictions).
+_managed_strategies: list[Any] = []
+
+
+def check() -> list[str]:
+    """Names of the internals that this Keras release no longer has."""
+    missing = []
+    if not hasattr(tf_trainer, "TFEpochIterator"):
+        missing.append("keras.src.backend.tensorflow.trainer.TFEpochIterator")
+    elif not hasattr(tf_trainer.TFEpochIterator, "_get_iterator"):
+        missing.append("TFEpochIterator._get_iterator")
+    if not callable(getattr(tf_trainer, "reduce_per_replica", None)):
+        missing.append("keras.src.backend.tensorflow.trainer.reduce_per_replica")
+    for name in ("_maybe_symbolic_build", "_symbolic_build", "_compute_loss"):
+        if not hasattr(tf_trainer.TensorFlowTrainer, name):
+            missing.append(f"TensorFlowTrainer.{name}")
+    model = keras.Sequential([keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd")
+    for name in ("_loss_tracker", "_distribute_strategy"):
+        if not hasattr(model, name):
+            missing.append(f"Trainer.{name}")
+    if not hasattr(model.optimizer, "_distribution_strategy"):
+        missing.append("TFOptimizer._distribution_strategy")
+    variable = keras.Variable(1.0)
+    if not (hasattr(variable, "_initialize") and hasattr(variable, "_value")):
+        missing.append("Variable._initialize / Variable._value")
+    for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
+        if not hasattr(loss_module, name):
+            missing.append(f"keras.src.losses.loss.{name}")
+    return missing
+
+
+# -- input batches -------------------------------------------------------------
+def _patched_get_iterator(epoch_iterator: Any) -> Any:
+    if _batch_source:
+        return _batch_source[-1](epoch_iterator.data_adapter)
+    return _original_get_iterator(epoch_iterator)
+
+
+def route_batches(source: Callable[[Any], Any]) -> None:
+    """Feed every Keras TF epoch from `source(data_adapter)` until unrouted."""
+    tf_trainer.TFEpochIterator._get_iterator = _patched_get_iterator
+    _batch_source.append(source)
+
+
+def unroute_batches() -> None:
+    if _batch_source:
+        _batch_source.pop()
+    if not _batch_source:
+        tf_trainer.TFEpochIterator._get_iterator = _original_get_iterator
+
+
+# -- Keras 3 multi-worker workarounds (keras-team/keras#20585) -----------------
+def _first_replica(value: Any, strategy: Any) -> Any:
+    if isinstance(value, tf.distribute.DistributedValues):
+        return strategy.experimental_local_results(value)[0]
+    return value
+
+
+def _is_multi_worker(strategy: Any) -> bool:
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
+
+
+def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
+    """Keras' `reduce_per_replica`, fixed for multi-worker strategies.
+
+    Keras reduces scalar logs of a multi-worker strategy with
+    `strategy.reduce("MEAN", v, axis=0)`, which fails on scalars; here they are
+    reduced over replicas (`axis=None`). Under a strategy keras_dist drives, the
+    step outputs are already global (metrics) or real rows only (predictions),
+    so logs come from the first local replica and predictions are gathered in
+    replica order.
+    """
+    managed = any(strategy is known for known in _managed_strategies)
+    if reduction in ("auto", "mean") and managed:
+        return keras.tree.map_structure(lambda v: _first_replica(v, strategy), values)
+    if reduction == "concat" and managed and _is_multi_worker(strategy):
+        return keras.tree.map_structure(
+            lambda v: strategy.gather(v, axis=0), values
+        )
+    if reduction in ("auto", "mean") and _is_multi_worker(strategy):
+        return keras.tree.map_structure(
+            lambda v: strategy.reduce("MEAN", v, axis=None), values
+        )
+    return _original_reduce_per_replica(values, strategy, reduction)
+
+
+def _maybe_symbolic_build(model: Any, iterator: Any = None, data_batch: Any = None):
+    """Keras' `_maybe_symbolic_build`, building from one replica's batch.
+
+    Keras averages the per-replica batches across replicas to get a batch to
+    build from, a collective that multi-worker strategies fail on; the shapes
+    of any one replica's batch build the same model.
+    """
+    strategy = model._distribute_strategy
+    if strategy is None:
+        return None
+    if iterator is not None:
+        for _, _, it in iterator:
+            data_batch = keras.tree.map_structure(
+                lambda v: _first_replica(v, strategy), next(it)
+            )
+            break
+    with strategy.scope():
+        model._symbolic_build(data_batch=data_batch)
+    return None
+
+
+def install_multi_worker_fixes() -> None:
+    """Apply the workarounds for Keras 3's multi-worker `fit` (idempotent)."""
+    tf_trainer.reduce_per_replica = reduce_per_replica
+    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+
+
+def manage(strategy: Any) -> Callable[[], None]:
+    """Mark `strategy`'s step outputs as keras_dist's; return the undo."""
+    install_multi_worker_fixes()
+    _managed_strategies.append(strategy)
+
+    def unmanage() -> None:
+        for index, known in enumerate(_managed_strategies):
+            if known is strategy:
+                del _managed_strategies[index]
+                break
+
+    return unmanage
+
+
+# -- variables -----------------------------------------------------------------
+def all_variables(model: Any) -> list[Any]:
+    """The model's, its optimizer's and its metrics' variables, once each."""
+    variables = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        variables += list(optimizer.variables)
+    variables += list(model.metrics_variables)
+    seen: set[int] = set()
+    unique = []
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            unique.append(variable)
+    return unique
+
+
+def variables_outside(strategy: Any, model: Any) -> list[Any]:
+    """The Keras variables of `model` that `strategy` did not create."""
+    return [
+        v
+        for v in all_variables(model)
+        if v._value is not None
+        and not strategy.extended.variable_created_in_scope(v._value)
+    ]
+
+
+def recreate_in_scope(strategy: Any, variables: list[Any], optimizer: Any) -> None:
+    """Create each variable's TF variable again under `strategy`, same value.
+
+    tf.distribute cannot mirror a variable after the fact, so the Keras
+    variable gets a new backing variable created in the strategy's scope. The
+    optimizer finds its variables by their TF variable's id, so its indices are
+    rebuilt too.
+    """
+    keys: dict[Any, Any] = {}
+    with strategy.scope():
+        for variable in variables:
+            old_key = optimizer._var_key(variable) if optimizer is not None else None
+            value = variable._value.read_value()
+            variable._value = None
+            variable._initialize(value)
+            if optimizer is not None:
+                keys[old_key] = optimizer._var_key(variable)
+    if optimizer is not None and optimizer.built:
+        optimizer._trainable_variables_indices = {
+            optimizer._var_key(v): i
+            for i, v in enumerate(optimizer._trainable_variables)
+        }
+        excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
+        if excluded:
+            optimizer._exclude_from_weight_decay = {keys.get(k, k) for k in excluded}
+        optimizer._exclude_from_weight_decay_cache = {}
+
+
+def attach_strategy(model: Any, strategy: Any) -> None:
+    """Make `model` (and its optimizer) run under `strategy`."""
+    model._distribute_strategy = strategy
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "_distribution_strategy"):
+        optimizer._distribution_strategy = strategy
+
+
+def mirror_variables(model: Any, strategy: Any) -> None:
+    """Recreate under `strategy` every variable of `model` it did not create."""
+    outside = variables_outside(strategy, model)
+    if outside:
+        recreate_in_scope(strategy, outside, getattr(model, "optimizer", None))
+
+
+def build_from(model: Any, strategy: Any, batch: Any) -> None:
+    """Build an unbuilt model, its optimizer and metrics from a batch's specs;
+    every variable ends up created by `strategy`."""
+    with strategy.scope():
+        model._symbolic_build(data_batch=batch)
+    mirror_variables(model, strategy)
+
+
+# -- steps ---------------------------------------------------------------------
+def _split(model: Any, batch: dict[str, Any]) -> tuple[Any, ...]:
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch[DATA])
+    mask = batch[MASK]
+    weights = masked_row_weights(mask, sample_weight)
+    # Keras divides each replica's loss by its rows and by the replicas; the
+    # padded/real ratio makes the summed gradient the mean over real rows.
+    scale = batch[SCALE][0]
+    loss_weights = weights * ops.cast(scale, weights.dtype)
+    # This replica's share of the real rows, the loss tracker's weight.
+    share = ops.cast(ops.shape(mask)[0], "float32") / scale
+    return x, y, mask, weights, loss_weights, share
+
+
+def _track(model: Any, loss: Any, parts: tuple[Any, ...]) -> None:
+    x, y, y_pred, mask, weights, share = parts
+    model._loss_tracker.update_state(
+        loss_module.unscale_loss_for_distribution(loss), sample_weight=share
+    )
+    if uses_keras_compute_metrics(model):
+        update_compiled_metrics(model, y, y_pred, mask, weights)
+    else:
+        model.compute_metrics(x, y, y_pred, weights)
+
+
+def _global_results(model: Any) -> dict[str, Any]:
+    """Metric results over every replica's rows, inside a replica.
+
+    The states of all metrics are summed over replicas in one all-reduce; each
+    replica computes the results from the sums and keeps its own states.
+    """
+    context = tf.distribute.get_replica_context()
+    variables = list(model.metrics_variables)
+    if context is None or context.num_replicas_in_sync == 1 or not variables:
+        return model.get_metrics_result()
+    local = [tf.identity(v.value) for v in variables]
+    flat = tf.concat([tf.reshape(tf.cast(v, tf.float64), [-1]) for v in local], 0)
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, flat)
+    offset = 0
+    for variable, value in zip(variables, local, strict=True):
+        size = value.shape.num_elements()
+        total = tf.reshape(summed[offset : offset + size], tf.shape(value))
+        offset += size
+        if variable.aggregation == "mean":
+            total = total / context.num_replicas_in_sync
+        variable.assign(tf.cast(total, variable.dtype))
+    results = keras.tree.map_structure(tf.identity, model.get_metrics_result())
+    with tf.control_dependencies(tf.nest.flatten(results)):
+        for variable, value in zip(variables, local, strict=True):
+            variable.assign(value)
+    return results
+
+
+def make_steps(model: Any) -> dict[str, Callable]:
+    def train_step(batch: Any) -> Any:
+        x, y, mask, weights, loss_weights, share = _split(model, batch)
+        kwargs = {"training": True} if model._call_has_training_arg else {}
+        with tf.GradientTape() as tape:
+            y_pred = model(x, **kwargs)
+            loss = model._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True
+            )
+            _track(model, loss, (x, y, y_pred, mask, weights, share))
+            if model.optimizer is not None:
+                loss = model.optimizer.scale_loss(loss)
+        trainable = model.trainable_weights
+        if trainable:
+            gradients = tape.gradient(loss, trainable)
+            model.optimizer.apply_gradients(zip(gradients, trainable, strict=True))
+        return _global_results(model)
+
+    def test_step(batch: Any) -> Any:
+        x, y, mask, weights, loss_weights, share = _split(model, batch)
+        kwargs = {"training": False} if model._call_has_training_arg else {}
+        y_pred = model(x, **kwargs)
+        loss = model._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=False
+        )
+        _track(model, loss, (x, y, y_pred, mask, weights, share))
+        return _global_results(model)
+
+    def predict_step(batch: Any) -> Any:
+        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch[DATA])
+        kwargs = {"training": False} if model._call_has_training_arg else {}
+        y_pred = model(x, **kwargs)
+        real = batch[MASK] > 0
+        return keras.tree.map_structure(lambda out: tf.boolean_mask(out, real), y_pred)
+
+    return {
+        "train_step": train_step,
+        "test_step": test_step,
+        "predict_step": predict_step,
+    }
+
+
+def install_steps(model: Any, steps: dict[str, Callable]) -> None:
+    for name, function in steps.items():
+        object.__setattr__(model, name, function)
+    reset_compiled_functions(model)
+
+
+def remove_steps(model: Any) -> None:
+    for name in _STEP_NAMES:
+        model.__dict__.pop(name, None)
+    reset_compiled_functions(model)
+
+
+def reset_compiled_functions(model: Any) -> None:
+    model.train_function = None
+    model.test_function = None
+    model.predict_function = None
