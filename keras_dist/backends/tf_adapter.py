@@ -156,12 +156,27 @@ class TensorFlowAdapter(BackendAdapter):
         `distribution.scope()` and the runs that train them share it.
         """
         self._check_layouts(distribution)
+        names = [str(d) for d in np.asarray(distribution.device_mesh.devices).flat]
+        if distribution.num_model_replicas != len(names):
+            raise ValueError(
+                "On TensorFlow every device is a replica that reads its own rows, "
+                f"but this mesh's batch axis has {distribution.num_model_replicas} "
+                f"of the {len(names)} devices. Use keras_dist.DataParallel, or a "
+                "mesh whose other axes have size 1."
+            )
         if self._multi_worker is not None:
             strategy = self._multi_worker
         else:
-            devices = tuple(
-                _tf_device(d) for d in np.asarray(distribution.device_mesh.devices).flat
-            )
+            unknown = sorted(set(names) - set(self._local_devices(None)) - set(
+                self._local_devices("cpu")
+            ))
+            if unknown:
+                raise ValueError(
+                    f"The mesh names devices this process does not have: {unknown}. "
+                    f"It has {self._local_devices(None)}; build the mesh from "
+                    "keras_dist.list_devices()."
+                )
+            devices = tuple(_tf_device(name) for name in names)
             if devices not in self._mirrored:
                 self._mirrored[devices] = tf.distribute.MirroredStrategy(
                     devices=list(devices)

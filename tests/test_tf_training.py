@@ -1,0 +1,344 @@
+"""TensorFlow end to end in one process: MirroredStrategy over 4 logical CPUs."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+
+pytestmark = pytest.mark.backend("tensorflow")
+
+SAMPLES = 101  # divides neither the global batch nor the device count
+BATCH = 18  # does not divide the 4 devices either
+DEVICES = 4
+
+
+def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(SAMPLES, 6)).astype("float32")
+    y = rng.integers(0, 3, size=(SAMPLES,))
+    return x, y
+
+
+def _layers() -> list:
+    return [
+        keras.Input((6,)),
+        keras.layers.Dense(16, activation="relu", name="hidden"),
+        keras.layers.Dense(3, activation="softmax", name="head"),
+    ]
+
+
+def _compile(model: keras.Model) -> keras.Model:
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        weighted_metrics=["sparse_categorical_accuracy"],
+    )
+    return model
+
+
+def _sequential() -> keras.Model:
+    keras.utils.set_random_seed(1)
+    return _compile(keras.Sequential(_layers()))
+
+
+def _distribution() -> kd.DataParallel:
+    return kd.DataParallel(devices=kd.list_devices()[:DEVICES])
+
+
+class FunctionalTrainer(kd.Trainer, keras.Model):
+    pass
+
+
+def _functional_trainer(distribution) -> keras.Model:
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(3, activation="softmax", name="head")(hidden)
+    return _compile(FunctionalTrainer(inputs, outputs, distribution=distribution))
+
+
+def _fit_evaluate_predict(model, callbacks_factory, sample_weight=None, epochs=2):
+    x, y = _data()
+    history = model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=BATCH,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x[:37], y[:37]),
+        callbacks=callbacks_factory(),
+    )
+    evaluation = model.evaluate(
+        x,
+        y,
+        batch_size=BATCH,
+        verbose=0,
+        return_dict=True,
+        callbacks=callbacks_factory(),
+    )
+    predictions = model.predict(
+        x, batch_size=BATCH, verbose=0, callbacks=callbacks_factory()
+    )
+    return history.history, evaluation, predictions
+
+
+def _assert_same_training(reference, candidate, reference_model, candidate_model):
+    ref_history, ref_eval, ref_pred = reference
+    history, evaluation, predictions = candidate
+    for a, b in zip(
+        reference_model.get_weights(), candidate_model.get_weights(), strict=True
+    ):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert history.keys() == ref_history.keys()
+    for key in ref_history:
+        np.testing.assert_allclose(history[key], ref_history[key], atol=1e-5, rtol=0)
+    assert evaluation.keys() == ref_eval.keys()
+    for key in ref_eval:
+        np.testing.assert_allclose(evaluation[key], ref_eval[key], atol=1e-5, rtol=0)
+    assert predictions.shape == (SAMPLES, 3)
+    np.testing.assert_allclose(predictions, ref_pred, atol=1e-5, rtol=0)
+
+
+def _replicas(variable) -> int:
+    """On how many devices a variable is mirrored (1 for a plain variable)."""
+    return len(getattr(variable.value, "values", [variable.value]))
+
+
+@pytest.fixture(scope="module")
+def single_device_run():
+    assert len(kd.list_devices()) >= DEVICES, "run with KERAS_DIST_CPU_DEVICES=8"
+    model = _sequential()
+    return model, _fit_evaluate_predict(model, lambda: [])
+
+
+def test_callback_matches_single_device_for_a_model_built_outside_the_scope(
+    single_device_run,
+):
+    reference_model, reference = single_device_run
+    distribution = _distribution()
+    model = _sequential()  # built and compiled before the distribution existed
+    assert _replicas(model.get_layer("hidden").kernel) == 1
+    result = _fit_evaluate_predict(
+        model, lambda: [kd.DistributeCallback(distribution)]
+    )
+    _assert_same_training(reference, result, reference_model, model)
+    # Its variables, optimizer slots and step counter were mirrored on the 4
+    # devices, keeping their values: every step ran once, not once per replica.
+    assert _replicas(model.get_layer("hidden").kernel) == DEVICES
+    assert all(_replicas(v) == DEVICES for v in model.optimizer.variables)
+    steps = reference_model.optimizer.iterations.numpy()
+    assert model.optimizer.iterations.numpy() == steps
+    assert kd.distribution() is None
+    assert "train_step" not in model.__dict__
+
+
+def test_model_built_under_the_scope_is_mirrored_from_the_start(single_device_run):
+    reference_model, reference = single_device_run
+    distribution = _distribution()
+    with distribution.scope():
+        model = _sequential()
+        assert kd.distribution() is distribution
+    assert _replicas(model.get_layer("hidden").kernel) == DEVICES
+    result = _fit_evaluate_predict(
+        model, lambda: [kd.DistributeCallback(distribution)]
+    )
+    _assert_same_training(reference, result, reference_model, model)
+
+
+def test_sample_weights_and_padding_match_single_device():
+    weights = np.linspace(0.1, 2.0, SAMPLES).astype("float32")
+    reference_model = _sequential()
+    reference = _fit_evaluate_predict(
+        reference_model, lambda: [], sample_weight=weights, epochs=1
+    )
+    model = _sequential()
+    distribution = _distribution()
+    result = _fit_evaluate_predict(
+        model,
+        lambda: [kd.DistributeCallback(distribution)],
+        sample_weight=weights,
+        epochs=1,
+    )
+    _assert_same_training(reference, result, reference_model, model)
+
+
+def test_trainer_mixin_matches_single_device(single_device_run):
+    reference_model, reference = single_device_run
+    model = _functional_trainer(_distribution())
+    result = _fit_evaluate_predict(model, lambda: None)
+    _assert_same_training(reference, result, reference_model, model)
+    assert kd.distribution() is None
+    assert _replicas(model.get_layer("hidden").kernel) == DEVICES
+
+
+def test_trainer_uses_the_global_distribution(single_device_run):
+    reference_model, reference = single_device_run
+    distribution = _distribution()
+    with distribution.scope():
+        model = _functional_trainer(None)
+        result = _fit_evaluate_predict(model, lambda: None)
+    _assert_same_training(reference, result, reference_model, model)
+    assert _replicas(model.get_layer("hidden").kernel) == DEVICES
+
+
+def _regression_model() -> keras.Model:
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(
+        optimizer="sgd",
+        loss="mse",
+        metrics=["mae", keras.metrics.AUC(name="auc")],
+        weighted_metrics=["mse"],
+    )
+    return model
+
+
+def _regression_data():
+    x, _ = _data(3)
+    y = (x[:, :1] > 0).astype("float32")
+    return x, y
+
+
+def test_metrics_are_global_at_every_step():
+    # Per-batch logs, not only epoch logs: each step sums every replica's
+    # metric states (AUC's confusion counts included) before computing results.
+    x, y = _regression_data()
+    weights = np.linspace(0.5, 1.5, SAMPLES).astype("float32")
+
+    def batch_logs(callbacks):
+        records = []
+
+        class Record(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                records.append(dict(logs))
+
+        model = _regression_model()
+        model.fit(
+            x,
+            y,
+            sample_weight=weights,
+            batch_size=BATCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=[*callbacks, Record()],
+        )
+        return records, model.evaluate(x, y, verbose=0, return_dict=True)
+
+    expected, expected_eval = batch_logs([])
+    logs, evaluation = batch_logs([kd.DistributeCallback(_distribution())])
+    assert len(logs) == len(expected) == 6
+    for got, want in zip(logs, expected, strict=True):
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], atol=1e-5, rtol=0)
+    for key in expected_eval:
+        np.testing.assert_allclose(evaluation[key], expected_eval[key], atol=1e-5)
+
+
+class _Sequence(keras.utils.PyDataset):
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return -(-len(self.x) // BATCH)
+
+    def __getitem__(self, index):
+        rows = slice(index * BATCH, (index + 1) * BATCH)
+        return self.x[rows], self.y[rows]
+
+
+def _generator(x, y):
+    for start in range(0, len(x), BATCH):
+        yield x[start : start + BATCH], y[start : start + BATCH]
+
+
+@pytest.mark.parametrize("kind", ["tf.data", "PyDataset", "generator"])
+def test_every_input_type_matches_single_device(kind):
+    import tensorflow as tf
+
+    x, y = _data()
+
+    def inputs():
+        if kind == "tf.data":
+            return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+        if kind == "PyDataset":
+            return _Sequence(x, y)
+        return _generator(x, y)
+
+    reference = _sequential()
+    reference.fit(inputs(), epochs=1, verbose=0)
+    model = _sequential()
+    model.fit(
+        inputs(),
+        epochs=1,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(_distribution())],
+    )
+    for a, b in zip(reference.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    predictions = model.predict(
+        x, batch_size=BATCH, verbose=0, callbacks=[kd.DistributeCallback(_distribution())]
+    )
+    np.testing.assert_allclose(
+        predictions, reference.predict(x, batch_size=BATCH, verbose=0), atol=1e-5
+    )
+
+
+def test_failed_fit_switches_the_distribution_off():
+    model = _functional_trainer(_distribution())
+    x, y = _data()
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[Boom()])
+    assert kd.distribution() is None
+    assert "train_step" not in model.__dict__
+    model.fit(x, y, batch_size=BATCH, verbose=0)  # and it trains again
+
+
+def test_devices_tensorflow_does_not_have_are_refused():
+    mesh = kd.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:99"])
+    with pytest.raises(ValueError, match=r"\['cpu:99'\]"):
+        _sequential().fit(
+            *_data(),
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(kd.DataParallel(mesh))],
+        )
+    assert kd.distribution() is None
+
+
+def test_replicas_along_a_model_axis_are_refused():
+    # Every TensorFlow replica reads its own rows: a model axis that only
+    # replicates has no tf.distribute equivalent.
+    mesh = kd.DeviceMesh((2, 2), ["batch", "model"], kd.list_devices()[:4])
+    distribution = kd.ModelParallel(layout_map=kd.LayoutMap(mesh))
+    with pytest.raises(ValueError, match="batch axis has 2 of the 4 devices"):
+        _sequential().fit(
+            *_data(),
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(distribution)],
+        )
+    assert kd.distribution() is None
+
+
+def test_keras_alone_ignores_a_data_parallel_distribution():
+    """The gap keras_dist closes: on TensorFlow, Keras' own DataParallel trains
+    on one device without a word. If a Keras release fixes this, this test
+    tells us."""
+    model = _sequential()
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    model.fit(*_data(), batch_size=BATCH, verbose=0)
+    assert _replicas(model.get_layer("hidden").kernel) == 1
+    assert model.distribute_strategy.num_replicas_in_sync == 1
