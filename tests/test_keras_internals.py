@@ -32,3 +32,21 @@ def test_torch_trainer_internals_are_where_keras_dist_expects():
         f"Keras {keras.__version__} moved internals that the PyTorch adapter relies "
         f"on: {missing}. Update keras_dist/backends/torch_keras_internals.py."
     )
+
+
+@pytest.mark.backend("torch")
+def test_keras_hands_a_torch_data_loader_to_the_torch_adapter_as_is():
+    import numpy as np
+    import torch
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    from keras_dist.backends import torch_keras_internals
+
+    dataset = torch.utils.data.TensorDataset(torch.zeros(4, 1))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2)
+    assert torch_keras_internals.data_loader_of(get_data_adapter(loader)) is loader, (
+        f"Keras {keras.__version__} no longer wraps a DataLoader in "
+        "TorchDataLoaderAdapter; update data_loader_of in torch_keras_internals.py."
+    )
+    arrays = get_data_adapter(np.zeros((4, 1)), batch_size=2)
+    assert torch_keras_internals.data_loader_of(arrays) is None

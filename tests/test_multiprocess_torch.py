@@ -133,6 +133,100 @@ def test_processes_feeding_their_own_data_train_like_one_process(tmp_path):
     assert_own_data_parity(results, reference)
 
 
+def _loads_by_epoch(result: dict) -> dict[int, list[list[int]]]:
+    """The batches of sample indices a process loaded, per epoch (any order)."""
+    epochs: dict[int, list[list[int]]] = {}
+    for epoch, indices in result["loads"]:
+        epochs.setdefault(epoch, []).append(indices)
+    return {epoch: sorted(batches) for epoch, batches in epochs.items()}
+
+
+def _assert_trains_like_one_process(results: list[dict], reference: dict) -> None:
+    for result in results:
+        for ours, expected in zip(result["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
+        for key, values in reference["history"].items():
+            np.testing.assert_allclose(result["history"][key], values, atol=1e-5)
+        for key, value in reference["evaluation"].items():
+            np.testing.assert_allclose(result["evaluation"][key], value, atol=1e-5)
+        assert len(result["predictions"]) == 37
+        np.testing.assert_allclose(
+            result["predictions"], result["expected_predictions"], atol=1e-5
+        )
+    assert results[0]["history"] == results[1]["history"]
+
+
+def _run_loader_job(kind: str, tmp_path) -> tuple[list[dict], dict]:
+    results = run_job(
+        "torch_worker.py",
+        [f"loader_{kind}"],
+        processes=2,
+        env=TORCH,
+        output_dir=tmp_path / "two",
+    )
+    (reference,) = run_job(
+        "torch_worker.py",
+        [f"loader_{kind}"],
+        processes=1,
+        env=TORCH,
+        output_dir=tmp_path / "one",
+    )
+    return results, reference
+
+
+@pytest.mark.parametrize("kind", ["shuffled", "drop_last"])
+def test_each_process_loads_only_its_rows_of_a_data_loader(kind, tmp_path):
+    """37 samples in global batches of 12: [12, 12, 12, 1], or [12, 12, 12]
+    with drop_last; "shuffled" loads through 2 loader workers per process."""
+    results, reference = _run_loader_job(kind, tmp_path)
+    _assert_trains_like_one_process(results, reference)
+    kept = 37 if kind == "shuffled" else 36
+    ours = [_loads_by_epoch(result) for result in results]
+    single = _loads_by_epoch(reference)
+    assert sorted(single) == [0, 1, 2] and all(sorted(o) == [0, 1, 2] for o in ours)
+    for epoch, global_batches in single.items():
+        per_process = [[i for batch in loads[epoch] for i in batch] for loads in ours]
+        assert not set(per_process[0]) & set(per_process[1]), "no sample on both"
+        assert sorted(per_process[0] + per_process[1]) == list(range(kept))
+        # Each process loaded its block of the one-process run's global batches:
+        # rows [0, 6) and [6, 12) of each, the last single row on process 0.
+        expected = [[], []]
+        for batch in global_batches:
+            share = -(-len(batch) // 2)
+            for rank in range(2):
+                if batch[rank * share : (rank + 1) * share]:
+                    expected[rank].append(batch[rank * share : (rank + 1) * share])
+        assert [loads[epoch] for loads in ours] == [sorted(e) for e in expected]
+    if kind == "shuffled":
+        assert single[0] != single[1] != single[2], "a new order every epoch"
+    else:
+        assert single[0] == single[1] == [[*range(s, s + 12)] for s in (0, 12, 24)]
+
+
+def test_a_data_loader_over_an_iterable_dataset_is_read_whole_by_each_process(
+    tmp_path,
+):
+    """It cannot be split by index: each process loads every sample and keeps
+    its rows of each global batch; training still matches one process."""
+    results, reference = _run_loader_job("iterable", tmp_path)
+    _assert_trains_like_one_process(results, reference)
+    for result in results:
+        assert result["loads"] == [[epoch, list(range(37))] for epoch in range(3)]
+
+
+def test_data_loaders_that_differ_between_processes_are_named(tmp_path):
+    results = run_job(
+        "torch_worker.py",
+        ["loader_mismatch"],
+        processes=2,
+        env=TORCH,
+        output_dir=tmp_path,
+    )
+    for result in results:
+        assert "process 0: 37 samples" in result["error"]
+        assert "process 1: 36 samples" in result["error"]
+
+
 def test_launcher_ends_the_job_when_a_rank_dies_mid_epoch(tmp_path):
     started = time.monotonic()
     result = subprocess.run(

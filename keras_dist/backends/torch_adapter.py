@@ -3,9 +3,9 @@
 `DataParallel` trains through torch's own `DistributedDataParallel` inside
 Keras' `fit`. A torch `DataLoader` is split between processes the way
 `DistributedSampler` splits a dataset, epoch set automatically: each process
-loads only its own rows of each global batch (`ShardedLoader`). Sharded variables (`ModelParallel` layouts, through DTensor) are
-not implemented yet: they raise `NotImplementedError` rather than train
-replicated silently.
+loads only its own rows of each global batch (`ShardedLoader`). Sharded
+variables (`ModelParallel` layouts, through DTensor) are not implemented yet:
+they raise `NotImplementedError` rather than train replicated silently.
 """
 
 from __future__ import annotations

@@ -108,6 +108,123 @@ def train(batch_norm: bool) -> dict:
     }
 
 
+LOADER_SAMPLES = 37  # batches of 12: 12, 12, 12, 1 (process 1 has no row of the last)
+
+
+def _loader_options(kind: str) -> dict:
+    if kind == "shuffled":  # two worker processes per rank
+        return {"shuffle": True, "num_workers": 2}
+    if kind == "drop_last":
+        return {"shuffle": False, "drop_last": True}
+    if kind == "iterable":
+        return {}
+    raise ValueError(kind)
+
+
+def loader_training(kind: str, record: pathlib.Path) -> dict:
+    """`fit` on a torch DataLoader whose dataset writes each batch it loads.
+
+    Each line of `record` is `[epoch, indices]` for one batch this process (or
+    one of its loader workers) loaded while training.
+    """
+    import torch
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(LOADER_SAMPLES, 6)).astype("float32")
+    y = keras.utils.to_categorical(rng.integers(0, 3, size=(LOADER_SAMPLES,)), 3)
+
+    class Recording:
+        epoch = None  # set by `RecordEpochs`; None: not training
+
+        def write(self, indices: list[int]) -> None:
+            if self.epoch is not None:
+                with open(record, "a") as handle:
+                    handle.write(json.dumps([self.epoch, indices]) + "\n")
+
+    class MapSamples(Recording, torch.utils.data.Dataset):
+        def __len__(self):
+            return LOADER_SAMPLES
+
+        def __getitem__(self, index):
+            return torch.from_numpy(x[index]), torch.from_numpy(y[index])
+
+        def __getitems__(self, indices):
+            self.write([int(i) for i in indices])
+            return [self[i] for i in indices]
+
+    class StreamedSamples(Recording, torch.utils.data.IterableDataset):
+        def __iter__(self):
+            self.write(list(range(LOADER_SAMPLES)))
+            for index in range(LOADER_SAMPLES):
+                yield torch.from_numpy(x[index]), torch.from_numpy(y[index])
+
+    class RecordEpochs(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            dataset.epoch = epoch
+
+        def on_train_end(self, logs=None):
+            dataset.epoch = None
+
+    dataset = StreamedSamples() if kind == "iterable" else MapSamples()
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=12, **_loader_options(kind)
+    )
+    # Different seeds on purpose: process 0's weights and shuffle must win.
+    keras.utils.set_random_seed(100 + kd.process_id())
+    model = _model(batch_norm=False)
+    distribution = kd.DataParallel()
+    history = model.fit(
+        loader,
+        epochs=3,
+        verbose=0,
+        validation_data=(x[:20], y[:20]),
+        callbacks=[kd.DistributeCallback(distribution), RecordEpochs()],
+    ).history
+    in_order = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    predictions = model.predict(
+        torch.utils.data.DataLoader(in_order, batch_size=8),
+        verbose=0,
+        callbacks=[kd.DistributeCallback(distribution)],
+    )
+    evaluation = model.evaluate(
+        torch.utils.data.DataLoader(in_order, batch_size=7),
+        verbose=0,
+        return_dict=True,
+        callbacks=[kd.DistributeCallback(distribution)],
+    )
+    loads = []
+    if record.exists():
+        loads = [json.loads(line) for line in record.read_text().splitlines()]
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "history": history,
+        "evaluation": evaluation,
+        "predictions": np.asarray(predictions).tolist(),
+        "expected_predictions": keras.ops.convert_to_numpy(model(x)).tolist(),
+        "loads": loads,
+    }
+
+
+def loader_mismatch() -> dict:
+    """Process 1's DataLoader has one sample fewer than process 0's."""
+    import torch
+
+    samples = 37 - kd.process_id()
+    dataset = torch.utils.data.TensorDataset(
+        torch.zeros(samples, 6), torch.zeros(samples, 3)
+    )
+    model = _model(batch_norm=False)
+    try:
+        model.fit(
+            torch.utils.data.DataLoader(dataset, batch_size=12, shuffle=True),
+            verbose=0,
+            callbacks=[kd.DistributeCallback(kd.DataParallel())],
+        )
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def unused_weight() -> dict:
     class TwoHeads(keras.Model):
         def __init__(self):
@@ -150,6 +267,11 @@ def main() -> None:
         result = lose_a_process()
     elif scenario == "unused_weight":
         result = unused_weight()
+    elif scenario == "loader_mismatch":
+        result = loader_mismatch()
+    elif scenario.startswith("loader_"):
+        record = pathlib.Path(output).with_suffix(".loads.jsonl")
+        result = loader_training(scenario.removeprefix("loader_"), record)
     else:
         result = {"ids": seen_ids(scenario)}
     result["process_id"] = kd.process_id()
