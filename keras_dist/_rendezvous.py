@@ -91,6 +91,7 @@ def _join(
     host, coordinator_port = split_address(coordinator_address)
     deadline = time.monotonic() + timeout_seconds
     delay = 0.05
+    last_error: OSError | None = None
     while True:
         try:
             with socket.create_connection(
@@ -104,13 +105,14 @@ def _join(
                 line = _read_line(conn, deadline)
                 if line.strip():
                     return [str(a) for a in json.loads(line)]
-        except OSError:
-            pass
+        except OSError as error:  # not listening yet: try again
+            last_error = error
         if time.monotonic() >= deadline:
             raise RuntimeError(
                 f"Process {process_id} of {num_processes} could not exchange "
                 f"addresses with the coordinator at {coordinator_address} within "
-                f"{timeout_seconds:g} s. Check that process 0 is running."
+                f"{timeout_seconds:g} s ({last_error}). Check that process 0 is "
+                "running."
             )
         time.sleep(delay)
         delay = min(delay * 2, 1.0)

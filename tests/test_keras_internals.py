@@ -50,3 +50,14 @@ def test_keras_hands_a_torch_data_loader_to_the_torch_adapter_as_is():
     )
     arrays = get_data_adapter(np.zeros((4, 1)), batch_size=2)
     assert torch_keras_internals.data_loader_of(arrays) is None
+
+
+@pytest.mark.backend("tensorflow")
+def test_tensorflow_trainer_internals_are_where_keras_dist_expects():
+    from keras_dist.backends import tf_keras_internals
+
+    missing = tf_keras_internals.check()
+    assert missing == [], (
+        f"Keras {keras.__version__} moved internals that the TensorFlow adapter "
+        f"relies on: {missing}. Update keras_dist/backends/tf_keras_internals.py."
+    )

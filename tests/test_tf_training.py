@@ -124,9 +124,7 @@ def test_callback_matches_single_device_for_a_model_built_outside_the_scope(
     distribution = _distribution()
     model = _sequential()  # built and compiled before the distribution existed
     assert _replicas(model.get_layer("hidden").kernel) == 1
-    result = _fit_evaluate_predict(
-        model, lambda: [kd.DistributeCallback(distribution)]
-    )
+    result = _fit_evaluate_predict(model, lambda: [kd.DistributeCallback(distribution)])
     _assert_same_training(reference, result, reference_model, model)
     # Its variables, optimizer slots and step counter were mirrored on the 4
     # devices, keeping their values: every step ran once, not once per replica.
@@ -145,9 +143,7 @@ def test_model_built_under_the_scope_is_mirrored_from_the_start(single_device_ru
         model = _sequential()
         assert kd.distribution() is distribution
     assert _replicas(model.get_layer("hidden").kernel) == DEVICES
-    result = _fit_evaluate_predict(
-        model, lambda: [kd.DistributeCallback(distribution)]
-    )
+    result = _fit_evaluate_predict(model, lambda: [kd.DistributeCallback(distribution)])
     _assert_same_training(reference, result, reference_model, model)
 
 
@@ -284,7 +280,10 @@ def test_every_input_type_matches_single_device(kind):
     for a, b in zip(reference.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     predictions = model.predict(
-        x, batch_size=BATCH, verbose=0, callbacks=[kd.DistributeCallback(_distribution())]
+        x,
+        batch_size=BATCH,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(_distribution())],
     )
     np.testing.assert_allclose(
         predictions, reference.predict(x, batch_size=BATCH, verbose=0), atol=1e-5

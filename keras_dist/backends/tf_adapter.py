@@ -167,9 +167,11 @@ class TensorFlowAdapter(BackendAdapter):
         if self._multi_worker is not None:
             strategy = self._multi_worker
         else:
-            unknown = sorted(set(names) - set(self._local_devices(None)) - set(
-                self._local_devices("cpu")
-            ))
+            unknown = sorted(
+                set(names)
+                - set(self._local_devices(None))
+                - set(self._local_devices("cpu"))
+            )
             if unknown:
                 raise ValueError(
                     f"The mesh names devices this process does not have: {unknown}. "
@@ -220,18 +222,42 @@ class TensorFlowAdapter(BackendAdapter):
         per_replica = strategy.experimental_distribute_values_from_function(value)
         return int(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, None))
 
+    def global_batches(
+        self, data_adapter: Any, shuffle_stream: np.random.RandomState | None
+    ) -> Any:
+        """The adapter's global batches as a `tf.data.Dataset`.
+
+        In a multi-process job, input that Keras shuffles itself is shuffled
+        from `shuffle_stream` (seeded by process 0), so that every process
+        reads the same batches in the same order.
+        """
+        if shuffle_stream is not None and internals.keras_shuffles(data_adapter):
+            return inputs.numpy_batches_dataset(data_adapter, shuffle_stream)
+        return data_adapter.get_tf_dataset()
+
+    def shuffle_stream(self, distribution: Any) -> np.random.RandomState | None:
+        """NumPy stream for Keras' shuffling, seeded alike on every process."""
+        if self._multi_worker is None:
+            return None
+        return np.random.RandomState(self._shared_seed(self.strategy(distribution)))
+
     def activate(self, model: Any, distribution: Any) -> None:
         strategy = self.strategy(distribution)
+        if self._multi_worker is not None and not distribution.auto_shard_dataset:
+            raise NotImplementedError(
+                "auto_shard_dataset=False (each process feeds its own data) is "
+                "not implemented for multi-process TensorFlow in keras_dist: "
+                "the processes would have to agree on every step's size inside "
+                "tf.data. Give every process the same input and let keras_dist "
+                "split it (auto_shard_dataset=True), or use KERAS_BACKEND=jax "
+                "or torch."
+            )
         internals.attach_strategy(model, strategy)
-        shuffle_stream = None
-        if self._multi_worker is not None:
-            shuffle_stream = np.random.RandomState(self._shared_seed(strategy))
+        shuffle_stream = self.shuffle_stream(distribution)
 
         def batches_for_epoch(data_adapter: Any) -> Any:
             def make_dataset() -> Any:
-                if shuffle_stream is not None and getattr(data_adapter, "_shuffle", False):
-                    return inputs.numpy_batches_dataset(data_adapter, shuffle_stream)
-                return data_adapter.get_tf_dataset()
+                return self.global_batches(data_adapter, shuffle_stream)
 
             # Variables created outside `distribution.scope()` are mirrored
             # now, before the optimizer's slots are created next to them.

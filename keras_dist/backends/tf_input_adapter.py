@@ -70,7 +70,9 @@ def split_global_batches(
             )
 
         mask = tf.cast(tf.range(padded) < rows, tf.float32)
-        scale = tf.fill([padded], tf.cast(padded, tf.float32) / tf.cast(rows, tf.float32))
+        scale = tf.fill(
+            [padded], tf.cast(padded, tf.float32) / tf.cast(rows, tf.float32)
+        )
         return {
             DATA: tf.nest.map_structure(mine, data),
             MASK: mine(mask),

@@ -12,11 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
+from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
 from keras_dist._keras_compat import update_compiled_metrics, uses_keras_compute_metrics
 from keras_dist.backends.tf_input_adapter import DATA, MASK, SCALE
@@ -51,6 +53,9 @@ def check() -> list[str]:
             missing.append(f"Trainer.{name}")
     if not hasattr(model.optimizer, "_distribution_strategy"):
         missing.append("TFOptimizer._distribution_strategy")
+    adapter = ArrayDataAdapter(np.zeros((4, 1)), batch_size=2, shuffle=True)
+    if getattr(adapter, "_shuffle", None) is not True:
+        missing.append("ArrayDataAdapter._shuffle")
     variable = keras.Variable(1.0)
     if not (hasattr(variable, "_initialize") and hasattr(variable, "_value")):
         missing.append("Variable._initialize / Variable._value")
@@ -80,6 +85,11 @@ def unroute_batches() -> None:
         tf_trainer.TFEpochIterator._get_iterator = _original_get_iterator
 
 
+def keras_shuffles(data_adapter: Any) -> bool:
+    """Whether Keras itself shuffles this input (arrays, `PyDataset`)."""
+    return bool(getattr(data_adapter, "_shuffle", False))
+
+
 # -- Keras 3 multi-worker workarounds (keras-team/keras#20585) -----------------
 def _first_replica(value: Any, strategy: Any) -> Any:
     if isinstance(value, tf.distribute.DistributedValues):
@@ -88,9 +98,10 @@ def _first_replica(value: Any, strategy: Any) -> Any:
 
 
 def _is_multi_worker(strategy: Any) -> bool:
-    return isinstance(
-        strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
+    return (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        and strategy.extended._in_multi_worker_mode()
+    )
 
 
 def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
@@ -107,9 +118,7 @@ def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
     if reduction in ("auto", "mean") and managed:
         return keras.tree.map_structure(lambda v: _first_replica(v, strategy), values)
     if reduction == "concat" and managed and _is_multi_worker(strategy):
-        return keras.tree.map_structure(
-            lambda v: strategy.gather(v, axis=0), values
-        )
+        return keras.tree.map_structure(lambda v: strategy.gather(v, axis=0), values)
     if reduction in ("auto", "mean") and _is_multi_worker(strategy):
         return keras.tree.map_structure(
             lambda v: strategy.reduce("MEAN", v, axis=None), values
