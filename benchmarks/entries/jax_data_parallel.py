@@ -27,42 +27,18 @@ import keras_dist as kd  # isort: skip
 
 import jax
 import keras
-import numpy as np
 
 from benchmarks.harness import Candidate, entry_arguments, run_interleaved, write_result
+from benchmarks.mlp import (
+    CLASSES,
+    FEATURES,
+    GLOBAL_BATCH,
+    HIDDEN,
+    build_model,
+    synthetic_data,
+)
 
 DEVICES = 8
-GLOBAL_BATCH = 512
-FEATURES = 256
-HIDDEN = 512
-CLASSES = 10
-SEED = 1234
-
-
-def build_model() -> keras.Model:
-    keras.utils.set_random_seed(SEED)
-    model = keras.Sequential(
-        [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(HIDDEN, activation="relu"),
-            keras.layers.Dense(HIDDEN, activation="relu"),
-            keras.layers.Dense(CLASSES),
-        ],
-        name="mlp",
-    )
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
-
-
-def synthetic_data(rows: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(SEED)
-    x = rng.normal(size=(rows, FEATURES)).astype("float32")
-    y = rng.integers(0, CLASSES, size=(rows,)).astype("int32")
-    return x, y
 
 
 def devices_holding(model: keras.Model) -> int:

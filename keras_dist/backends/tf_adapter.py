@@ -11,6 +11,7 @@ its padded, masked rows and makes the metrics global. Sharded variables
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
@@ -195,7 +196,13 @@ class TensorFlowAdapter(BackendAdapter):
         return strategy
 
     def scope(self, distribution: Any) -> Any:
-        return self.strategy(distribution).scope()
+        # A distribution TensorFlow cannot run (sharded variables, a model axis)
+        # is still made global; training under it raises, naming why.
+        try:
+            strategy = self.strategy(distribution)
+        except (NotImplementedError, ValueError):
+            return contextlib.nullcontext()
+        return strategy.scope()
 
     def _check_layouts(self, distribution: Any) -> None:
         layout_map = getattr(distribution, "layout_map", None)
@@ -270,10 +277,13 @@ class TensorFlowAdapter(BackendAdapter):
                 worker_index=self._worker_index,
             )
 
-        unmanage = internals.manage(strategy)
+        undo = [internals.manage(strategy)]
+        undo.append(
+            internals.fuse_gradient_all_reduce(getattr(model, "optimizer", None))
+        )
         internals.route_batches(batches_for_epoch)
         internals.install_steps(model, internals.make_steps(model))
-        self._runs[id(model)] = [unmanage]
+        self._runs[id(model)] = undo
 
     def deactivate(self, model: Any) -> None:
         internals.remove_steps(model)

@@ -51,8 +51,9 @@ def check() -> list[str]:
     for name in ("_loss_tracker", "_distribute_strategy"):
         if not hasattr(model, name):
             missing.append(f"Trainer.{name}")
-    if not hasattr(model.optimizer, "_distribution_strategy"):
-        missing.append("TFOptimizer._distribution_strategy")
+    for name in ("_distribution_strategy", "_all_reduce_sum_gradients"):
+        if not hasattr(model.optimizer, name):
+            missing.append(f"TFOptimizer.{name}")
     adapter = ArrayDataAdapter(np.zeros((4, 1)), batch_size=2, shuffle=True)
     if getattr(adapter, "_shuffle", None) is not True:
         missing.append("ArrayDataAdapter._shuffle")
@@ -270,32 +271,104 @@ def _track(model: Any, loss: Any, parts: tuple[Any, ...]) -> None:
         model.compute_metrics(x, y, y_pred, weights)
 
 
-def _global_results(model: Any) -> dict[str, Any]:
-    """Metric results over every replica's rows, inside a replica.
+class _MetricStates:
+    """Every metric state of `model` in one flat vector, to sum over replicas.
 
-    The states of all metrics are summed over replicas in one all-reduce; each
-    replica computes the results from the sums and keeps its own states.
+    Each replica computes the results from the sums and keeps its own states,
+    so the logs are exact global values at every step.
     """
+
+    def __init__(self, model: Any, context: Any):
+        self._model = model
+        self._replicas = context.num_replicas_in_sync
+        self._variables = list(model.metrics_variables)
+        self._local = [tf.identity(v.value) for v in self._variables]
+        # Metric states are float32 in Keras; sum in float64 only if one is wider.
+        wide = any(v.dtype in (tf.float64, tf.int64) for v in self._local)
+        dtype = tf.float64 if wide else tf.float32
+        self.flat = tf.concat(
+            [tf.reshape(tf.cast(v, dtype), [-1]) for v in self._local], 0
+        )
+
+    def results(self, summed: Any) -> dict[str, Any]:
+        offset = 0
+        for variable, value in zip(self._variables, self._local, strict=True):
+            size = value.shape.num_elements()
+            total = tf.reshape(summed[offset : offset + size], tf.shape(value))
+            offset += size
+            if variable.aggregation == "mean":
+                total = total / self._replicas
+            variable.assign(tf.cast(total, variable.dtype))
+        results = keras.tree.map_structure(
+            tf.identity, self._model.get_metrics_result()
+        )
+        with tf.control_dependencies(tf.nest.flatten(results)):
+            for variable, value in zip(self._variables, self._local, strict=True):
+                variable.assign(value)
+        return results
+
+
+def _replica_context() -> Any:
+    """The replica context when several replicas run this step, else None."""
     context = tf.distribute.get_replica_context()
-    variables = list(model.metrics_variables)
-    if context is None or context.num_replicas_in_sync == 1 or not variables:
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    return context
+
+
+def _global_results(model: Any) -> dict[str, Any]:
+    """Metric results over every replica's rows, inside a replica."""
+    context = _replica_context()
+    if context is None or not model.metrics_variables:
         return model.get_metrics_result()
-    local = [tf.identity(v.value) for v in variables]
-    flat = tf.concat([tf.reshape(tf.cast(v, tf.float64), [-1]) for v in local], 0)
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, flat)
-    offset = 0
-    for variable, value in zip(variables, local, strict=True):
-        size = value.shape.num_elements()
-        total = tf.reshape(summed[offset : offset + size], tf.shape(value))
-        offset += size
-        if variable.aggregation == "mean":
-            total = total / context.num_replicas_in_sync
-        variable.assign(tf.cast(total, variable.dtype))
-    results = keras.tree.map_structure(tf.identity, model.get_metrics_result())
-    with tf.control_dependencies(tf.nest.flatten(results)):
-        for variable, value in zip(variables, local, strict=True):
-            variable.assign(value)
-    return results
+    states = _MetricStates(model, context)
+    return states.results(context.all_reduce(tf.distribute.ReduceOp.SUM, states.flat))
+
+
+def _sums_gradients_itself(optimizer: Any) -> bool:
+    return optimizer.__dict__.get("_all_reduce_sum_gradients") is _already_summed
+
+
+def _already_summed(grads_and_vars: Any) -> list[Any]:
+    return list(grads_and_vars)
+
+
+def fuse_gradient_all_reduce(optimizer: Any) -> Callable[[], None]:
+    """Let the train step sum the gradients (with the metric states, in one
+    all-reduce) instead of the optimizer; return the undo.
+
+    Wrapped optimizers (loss scaling) keep their own all-reduce.
+    """
+    if optimizer is None or hasattr(optimizer, "inner_optimizer"):
+        return lambda: None
+    object.__setattr__(optimizer, "_all_reduce_sum_gradients", _already_summed)
+
+    def undo() -> None:
+        optimizer.__dict__.pop("_all_reduce_sum_gradients", None)
+
+    return undo
+
+
+def _apply_summed(model: Any, gradients: list[Any], trainable: list[Any]) -> Any:
+    """Sum the gradients and the metric states over replicas in one
+    all-reduce, apply the gradients, return the global metric results."""
+    context = _replica_context()
+    if context is None:
+        model.optimizer.apply_gradients(zip(gradients, trainable, strict=True))
+        return model.get_metrics_result()
+    states = _MetricStates(model, context) if model.metrics_variables else None
+    present = [i for i, g in enumerate(gradients) if g is not None]
+    values = [gradients[i] for i in present]
+    if states is not None:
+        values.append(states.flat)
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+    total = list(gradients)
+    for index, value in zip(present, summed, strict=False):
+        total[index] = value
+    model.optimizer.apply_gradients(zip(total, trainable, strict=True))
+    if states is None:
+        return model.get_metrics_result()
+    return states.results(summed[-1])
 
 
 def make_steps(model: Any) -> dict[str, Callable]:
@@ -311,9 +384,12 @@ def make_steps(model: Any) -> dict[str, Callable]:
             if model.optimizer is not None:
                 loss = model.optimizer.scale_loss(loss)
         trainable = model.trainable_weights
-        if trainable:
-            gradients = tape.gradient(loss, trainable)
-            model.optimizer.apply_gradients(zip(gradients, trainable, strict=True))
+        if not trainable:
+            return _global_results(model)
+        gradients = tape.gradient(loss, trainable)
+        if _sums_gradients_itself(model.optimizer):
+            return _apply_summed(model, gradients, trainable)
+        model.optimizer.apply_gradients(zip(gradients, trainable, strict=True))
         return _global_results(model)
 
     def test_step(batch: Any) -> Any:

@@ -1,0 +1,135 @@
+"""TensorFlow data parallelism: keras_dist against a raw `MirroredStrategy` fit.
+
+Both candidates train the same MLP, built from the same seed, on the same
+synthetic data with the same global batch, on 4 logical CPU devices:
+
+- `keras_dist`: the model is built and compiled with no strategy, then each
+  `fit` gets `kd.DistributeCallback(kd.DataParallel(...))` (its variables are
+  mirrored at the first `fit`).
+- `native`: the model is built and compiled inside the scope of the same
+  `tf.distribute.MirroredStrategy(devices)`, as tf.distribute requires, and
+  trained with Keras' own `fit` (no keras_dist callback).
+
+Run on its own (the runner sets the environment for you):
+
+```shell
+KERAS_BACKEND=tensorflow KERAS_DIST_CPU_DEVICES=4 PYTHONPATH=. \
+    python benchmarks/entries/tf_mirrored.py --repeats 3
+```
+"""
+
+from __future__ import annotations
+
+# keras_dist first: importing it creates the logical devices before TF starts.
+import keras_dist as kd  # isort: skip
+import keras_dist.backends  # isort: skip
+
+import keras
+import tensorflow as tf
+
+from benchmarks.harness import Candidate, entry_arguments, run_interleaved, write_result
+from benchmarks.mlp import (
+    CLASSES,
+    FEATURES,
+    GLOBAL_BATCH,
+    HIDDEN,
+    build_model,
+    synthetic_data,
+)
+
+DEVICES = 4
+
+
+def replicas_of(model: keras.Model) -> int:
+    """On how many devices the model's first kernel is mirrored."""
+    value = model.trainable_variables[0].value
+    return len(getattr(value, "values", [value]))
+
+
+def main() -> None:
+    args = entry_arguments(__doc__.splitlines()[0])
+    devices = kd.list_devices("cpu")
+    if len(devices) != DEVICES:
+        raise RuntimeError(
+            f"This entry needs {DEVICES} CPU devices; TensorFlow has "
+            f"{len(devices)}. Set KERAS_DIST_CPU_DEVICES={DEVICES} (run.py does)."
+        )
+    x, y = synthetic_data(max(args.steps, args.warmup_steps) * GLOBAL_BATCH)
+
+    kd_model = build_model()  # no strategy: what keras_dist users do
+    kd_distribution = kd.DataParallel(devices=devices)
+
+    # The same `tf.distribute.MirroredStrategy(devices)` object for both: two
+    # MirroredStrategy objects over the same devices in one process hand out
+    # the same collective keys, and their all-reduces then abort ("Collective
+    # instance ... expected type"). `kd_distribution.scope()` enters exactly
+    # that strategy's scope; the native model then trains with Keras' own fit.
+    strategy = kd.backends.get_adapter().strategy(kd_distribution)
+    assert type(strategy) is tf.distribute.MirroredStrategy
+    with strategy.scope():
+        native_model = build_model()
+
+    def fit_kd(steps: int, callbacks: list) -> keras.callbacks.History:
+        rows = steps * GLOBAL_BATCH
+        return kd_model.fit(
+            x[:rows],
+            y[:rows],
+            batch_size=GLOBAL_BATCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(kd_distribution), *callbacks],
+        )
+
+    def fit_native(steps: int, callbacks: list) -> keras.callbacks.History:
+        rows = steps * GLOBAL_BATCH
+        return native_model.fit(
+            x[:rows],
+            y[:rows],
+            batch_size=GLOBAL_BATCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+
+    candidates = [
+        Candidate(
+            "keras_dist", "fit + kd.DistributeCallback(kd.DataParallel())", fit_kd
+        ),
+        Candidate(
+            "native", "model built in MirroredStrategy.scope(), Keras fit", fit_native
+        ),
+    ]
+    timings = run_interleaved(
+        candidates,
+        repeats=args.repeats,
+        steps=args.steps,
+        skip_steps=args.skip_steps,
+        warmup_steps=args.warmup_steps,
+    )
+    params = kd_model.count_params()
+    result = {
+        "entry": "tf_mirrored",
+        "backend": keras.backend.backend(),
+        "devices": DEVICES,
+        "global_batch": GLOBAL_BATCH,
+        "steps": args.steps,
+        "skip_steps": args.skip_steps,
+        "repeats": args.repeats,
+        "model": f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, {params:,} params, Adam",
+        "baseline": "native",
+        "devices_used": {
+            "keras_dist": replicas_of(kd_model),
+            "native": replicas_of(native_model),
+        },
+        "versions": {
+            "keras": keras.__version__,
+            "tensorflow": tf.__version__,
+            "keras_dist": kd.__version__,
+        },
+        **timings,
+    }
+    write_result(args.json_out, result)
+
+
+if __name__ == "__main__":
+    main()

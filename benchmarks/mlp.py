@@ -1,0 +1,38 @@
+"""The MLP and synthetic data the data-parallel benchmark entries share."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+GLOBAL_BATCH = 512
+FEATURES = 256
+HIDDEN = 512
+CLASSES = 10
+SEED = 1234
+
+
+def build_model() -> keras.Model:
+    keras.utils.set_random_seed(SEED)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(CLASSES),
+        ],
+        name="mlp",
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def synthetic_data(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(SEED)
+    x = rng.normal(size=(rows, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, size=(rows,)).astype("int32")
+    return x, y
