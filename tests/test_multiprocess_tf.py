@@ -81,6 +81,15 @@ def test_shuffled_arrays_give_each_sample_to_one_worker_per_epoch(tmp_path):
     assert results[0]["ids"][0] != results[0]["ids"][1]  # reshuffled each epoch
 
 
+def test_workers_reading_different_data_fail_naming_them(tmp_path):
+    results = run_job(
+        "tf_worker.py", ["different_data"], processes=2, env=TF, output_dir=tmp_path
+    )
+    for result in results:
+        assert result["error"] is not None
+        assert "Processes [1] read different input than process 0" in result["error"]
+
+
 def test_keras_multi_worker_bugs_and_their_workarounds(tmp_path):
     """keras-team/keras#20585, reproduced with Keras alone: when this fails
     because Keras fixed a bug, drop that workaround from tf_keras_internals."""

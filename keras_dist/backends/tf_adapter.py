@@ -23,6 +23,7 @@ from keras_dist import _rendezvous
 from keras_dist.backends import tf_input_adapter as inputs
 from keras_dist.backends import tf_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
+from keras_dist.padding import check_same_input, fingerprint
 
 _NOT_YET = (
     "{what} is not implemented for the TensorFlow backend in keras_dist; "
@@ -248,6 +249,25 @@ class TensorFlowAdapter(BackendAdapter):
             return None
         return np.random.RandomState(self._shared_seed(self.strategy(distribution)))
 
+    def _check_same_input(self, strategy: Any, dataset: Any) -> None:
+        """Fail fast, naming them, when processes read different first batches."""
+        batch = next(iter(dataset.take(1)), None)
+        local = (
+            0
+            if batch is None
+            else fingerprint(tf.nest.map_structure(np.asarray, batch))
+        )
+        # 56 bits as two exact int32 halves.
+        halves = [local >> 28, local & (2**28 - 1)]
+
+        def value(context: Any) -> Any:
+            return tf.constant([halves], tf.int32)
+
+        per_replica = strategy.experimental_distribute_values_from_function(value)
+        everyone = strategy.gather(per_replica, axis=0).numpy()
+        per_worker = everyone[:: len(strategy.extended.worker_devices)]
+        check_same_input([int(hi) << 28 | int(lo) for hi, lo in per_worker])
+
     def activate(self, model: Any, distribution: Any) -> None:
         strategy = self.strategy(distribution)
         if self._multi_worker is not None and not distribution.auto_shard_dataset:
@@ -262,9 +282,15 @@ class TensorFlowAdapter(BackendAdapter):
         internals.attach_strategy(model, strategy)
         shuffle_stream = self.shuffle_stream(distribution)
 
+        unchecked = [self._multi_worker is not None]
+
         def batches_for_epoch(data_adapter: Any) -> Any:
             def make_dataset() -> Any:
                 return self.global_batches(data_adapter, shuffle_stream)
+
+            if unchecked[0] and internals.reads_again(data_adapter):
+                unchecked[0] = False
+                self._check_same_input(strategy, make_dataset())
 
             # Variables created outside `distribution.scope()` are mirrored
             # now, before the optimizer's slots are created next to them.

@@ -86,6 +86,12 @@ def unroute_batches() -> None:
         tf_trainer.TFEpochIterator._get_iterator = _original_get_iterator
 
 
+def reads_again(data_adapter: Any) -> bool:
+    """Whether the adapter's input can be read once more (not a one-shot
+    Python generator) to compare its first batch between processes."""
+    return type(data_adapter).__name__ != "GeneratorDataAdapter"
+
+
 def keras_shuffles(data_adapter: Any) -> bool:
     """Whether Keras itself shuffles this input (arrays, `PyDataset`)."""
     return bool(getattr(data_adapter, "_shuffle", False))

@@ -163,6 +163,24 @@ def keras_20585() -> dict:
     return {"errors": errors, "weights": [w.tolist() for w in model.get_weights()]}
 
 
+def different_data() -> dict:
+    """Each process reads different data: splitting it would lose samples."""
+    x = np.full((16, 6), float(kd.process_id()), "float32")
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    try:
+        model.fit(
+            x,
+            x[:, :1],
+            batch_size=8,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(kd.DataParallel())],
+        )
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def lose_a_process() -> dict:
     """Process 1 dies in the middle of the second epoch."""
     import time
@@ -202,6 +220,8 @@ def main() -> None:
         result = {"ids": seen_ids()}
     elif SCENARIO == "keras_20585":
         result = keras_20585()
+    elif SCENARIO == "different_data":
+        result = different_data()
     elif SCENARIO == "lose_a_process":
         result = lose_a_process()
     else:
