@@ -136,6 +136,32 @@ def update_compiled_metrics(
                 metric.update_state(y_true, y_out, sample_weight=weights)
 
 
+COMPILED_FUNCTIONS = ("train_function", "test_function", "predict_function")
+_INSTALLED_STEPS = "_keras_dist_steps"
+
+
+def install_steps(model: Any, steps: dict[str, Callable[..., Any]]) -> None:
+    """Shadow `model`'s step methods with `steps` (instance attributes) until
+    `remove_steps`, and drop the compiled functions built from the old ones."""
+    for name, function in steps.items():
+        object.__setattr__(model, name, function)
+    model.__dict__[_INSTALLED_STEPS] = tuple(steps)
+    reset_compiled_functions(model)
+
+
+def remove_steps(model: Any) -> None:
+    """Put the class' own steps back and drop the compiled functions."""
+    for name in model.__dict__.pop(_INSTALLED_STEPS, ()):
+        model.__dict__.pop(name, None)
+    reset_compiled_functions(model)
+
+
+def reset_compiled_functions(model: Any) -> None:
+    """Drop compiled steps: Keras compiles them again at the next call."""
+    for name in COMPILED_FUNCTIONS:
+        setattr(model, name, None)
+
+
 def uses_keras_compute_metrics(model: Any) -> bool:
     """Whether `model` keeps Keras' own `compute_metrics` (not overridden)."""
     own = type(model).compute_metrics

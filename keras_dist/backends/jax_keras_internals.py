@@ -17,7 +17,17 @@ from keras.src import backend as keras_backend
 from keras.src.backend.jax import trainer as jax_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_dist._keras_compat import update_compiled_metrics, uses_keras_compute_metrics
+from keras_dist._keras_compat import (
+    COMPILED_FUNCTIONS,
+    update_compiled_metrics,
+    uses_keras_compute_metrics,
+)
+from keras_dist._keras_compat import (
+    install_steps as compat_install_steps,
+)
+from keras_dist._keras_compat import (
+    remove_steps as compat_remove_steps,
+)
 from keras_dist.padding import MaskedBatch, masked_row_weights
 
 _original_get_iterator = jax_trainer.JAXEpochIterator._get_iterator
@@ -219,10 +229,6 @@ def masked_test_step(model: Any, state: Any, batch: MaskedBatch) -> Any:
     return logs, (trainable, non_trainable, metrics_variables)
 
 
-_STEP_NAMES = ("train_step", "test_step", "predict_step", "make_predict_function")
-
-
-_COMPILED = ("train_function", "test_function", "predict_function")
 _CACHE = "_keras_dist_compiled"
 
 
@@ -263,9 +269,8 @@ def install_steps(
     key = _compile_key(model, distribution)
     cached = model.__dict__.get(_CACHE)
     if cached is not None and _same_key(cached["key"], key):
-        for name, function in cached["steps"].items():
-            object.__setattr__(model, name, function)
-        for name in _COMPILED:
+        compat_install_steps(model, cached["steps"])
+        for name in COMPILED_FUNCTIONS:
             setattr(model, name, cached["compiled"][name])
         return
 
@@ -306,9 +311,7 @@ def install_steps(
         "predict_step": predict_step,
         "make_predict_function": make_predict_function,
     }
-    for name, function in steps.items():
-        object.__setattr__(model, name, function)
-    reset_compiled_functions(model)
+    compat_install_steps(model, steps)
     model.__dict__[_CACHE] = {"key": key, "steps": steps, "compiled": {}}
 
 
@@ -316,16 +319,8 @@ def remove_steps(model: Any) -> None:
     """Put Keras' own steps back, keeping the compiled ones for the next run."""
     cached = model.__dict__.get(_CACHE)
     if cached is not None:
-        cached["compiled"] = {name: getattr(model, name) for name in _COMPILED}
-    for name in _STEP_NAMES:
-        model.__dict__.pop(name, None)
-    reset_compiled_functions(model)
-
-
-def reset_compiled_functions(model: Any) -> None:
-    """Drop compiled steps: they were built for other layouts."""
-    for name in _COMPILED:
-        setattr(model, name, None)
+        cached["compiled"] = {name: getattr(model, name) for name in COMPILED_FUNCTIONS}
+    compat_remove_steps(model)
 
 
 __all__ = [
@@ -333,7 +328,6 @@ __all__ = [
     "install_steps",
     "relayout_variable",
     "remove_steps",
-    "reset_compiled_functions",
     "route_batches",
     "unroute_batches",
     "slot_owners",

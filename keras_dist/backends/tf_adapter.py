@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _rendezvous
+from keras_dist._keras_compat import install_steps, remove_steps
 from keras_dist.backends import tf_input_adapter as inputs
 from keras_dist.backends import tf_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
@@ -243,11 +244,11 @@ class TensorFlowAdapter(BackendAdapter):
             return inputs.numpy_batches_dataset(data_adapter, shuffle_stream)
         return data_adapter.get_tf_dataset()
 
-    def shuffle_stream(self, distribution: Any) -> np.random.RandomState | None:
+    def shuffle_stream(self, strategy: Any) -> np.random.RandomState | None:
         """NumPy stream for Keras' shuffling, seeded alike on every process."""
         if self._multi_worker is None:
             return None
-        return np.random.RandomState(self._shared_seed(self.strategy(distribution)))
+        return np.random.RandomState(self._shared_seed(strategy))
 
     def _check_same_input(self, strategy: Any, dataset: Any) -> None:
         """Fail fast, naming them, when processes read different first batches."""
@@ -280,25 +281,24 @@ class TensorFlowAdapter(BackendAdapter):
                 "or torch."
             )
         internals.attach_strategy(model, strategy)
-        shuffle_stream = self.shuffle_stream(distribution)
-
+        shuffle_stream = self.shuffle_stream(strategy)
         unchecked = [self._multi_worker is not None]
+        unprepared = [True]
 
         def batches_for_epoch(data_adapter: Any) -> Any:
-            def make_dataset() -> Any:
-                return self.global_batches(data_adapter, shuffle_stream)
-
+            dataset = self.global_batches(data_adapter, shuffle_stream)
             if unchecked[0] and internals.reads_again(data_adapter):
                 unchecked[0] = False
-                self._check_same_input(strategy, make_dataset())
-
-            # Variables created outside `distribution.scope()` are mirrored
-            # now, before the optimizer's slots are created next to them.
-            internals.mirror_variables(model, strategy)
-            internals.build_from(model, strategy, make_dataset().element_spec)
+                self._check_same_input(strategy, dataset)
+            if unprepared[0]:
+                unprepared[0] = False
+                # Variables created outside `distribution.scope()` are mirrored
+                # before the optimizer's slots are created next to them.
+                internals.mirror_variables(model, strategy)
+                internals.build_from(model, strategy, dataset.element_spec)
             return inputs.distributed_batches(
                 strategy,
-                make_dataset,
+                dataset,
                 num_workers=self._num_workers,
                 worker_index=self._worker_index,
             )
@@ -308,11 +308,11 @@ class TensorFlowAdapter(BackendAdapter):
             internals.fuse_gradient_all_reduce(getattr(model, "optimizer", None))
         )
         internals.route_batches(batches_for_epoch)
-        internals.install_steps(model, internals.make_steps(model))
+        install_steps(model, internals.make_steps(model))
         self._runs[id(model)] = undo
 
     def deactivate(self, model: Any) -> None:
-        internals.remove_steps(model)
+        remove_steps(model)
         internals.unroute_batches()
         for undo in self._runs.pop(id(model), []):
             undo()

@@ -10,7 +10,7 @@ pieces to the replicas in order (`distribute_datasets_from_function`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -45,8 +45,7 @@ def split_global_batches(
     Each global batch of `n` rows is padded with zero rows to `p`, the next
     multiple of `num_replicas`; worker `w` keeps rows `[w * p / W, (w + 1) * p /
     W)` and yields them as `num_replicas / W` consecutive elements, one per
-    local replica, each `{DATA: rows, MASK: 1 or 0 per row, SCALE: p / n per
-    row}`.
+    local replica, each `{DATA: rows, MASK: 1 or 0 per row, SCALE: p / n}`.
     """
     _check_dense(dataset.element_spec)
     local_replicas = num_replicas // num_workers
@@ -70,13 +69,11 @@ def split_global_batches(
             )
 
         mask = tf.cast(tf.range(padded) < rows, tf.float32)
-        scale = tf.fill(
-            [padded], tf.cast(padded, tf.float32) / tf.cast(rows, tf.float32)
-        )
+        scale = tf.cast(padded, tf.float32) / tf.cast(rows, tf.float32)
         return {
             DATA: tf.nest.map_structure(mine, data),
             MASK: mine(mask),
-            SCALE: mine(scale),
+            SCALE: tf.fill([local_replicas], scale),
         }
 
     pieces = dataset.map(split, num_parallel_calls=tf.data.AUTOTUNE)
@@ -111,7 +108,7 @@ def numpy_batches_dataset(
 
 def distributed_batches(
     strategy: tf.distribute.Strategy,
-    make_dataset: Callable[[], tf.data.Dataset],
+    dataset: tf.data.Dataset,
     *,
     num_workers: int,
     worker_index: int,
@@ -120,7 +117,7 @@ def distributed_batches(
 
     def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         return split_global_batches(
-            make_dataset(),
+            dataset,
             num_replicas=strategy.num_replicas_in_sync,
             num_workers=num_workers,
             worker_index=worker_index,

@@ -20,7 +20,10 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
-from keras_dist._keras_compat import update_compiled_metrics, uses_keras_compute_metrics
+from keras_dist._keras_compat import (
+    update_compiled_metrics,
+    uses_keras_compute_metrics,
+)
 from keras_dist.backends.tf_input_adapter import DATA, MASK, SCALE
 from keras_dist.padding import masked_row_weights
 
@@ -28,7 +31,6 @@ _original_get_iterator = tf_trainer.TFEpochIterator._get_iterator
 _original_reduce_per_replica = tf_trainer.reduce_per_replica
 _original_maybe_symbolic_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
 _batch_source: list[Callable[[Any], Any]] = []
-_STEP_NAMES = ("train_step", "test_step", "predict_step")
 # Strategies whose step outputs keras_dist already made global (metrics) or
 # trimmed to real rows (predictions).
 _managed_strategies: list[Any] = []
@@ -259,7 +261,7 @@ def _split(model: Any, batch: dict[str, Any]) -> tuple[Any, ...]:
     weights = masked_row_weights(mask, sample_weight)
     # Keras divides each replica's loss by its rows and by the replicas; the
     # padded/real ratio makes the summed gradient the mean over real rows.
-    scale = batch[SCALE][0]
+    scale = batch[SCALE]
     loss_weights = weights * ops.cast(scale, weights.dtype)
     # This replica's share of the real rows, the loss tracker's weight.
     share = ops.cast(ops.shape(mask)[0], "float32") / scale
@@ -420,21 +422,3 @@ def make_steps(model: Any) -> dict[str, Callable]:
         "test_step": test_step,
         "predict_step": predict_step,
     }
-
-
-def install_steps(model: Any, steps: dict[str, Callable]) -> None:
-    for name, function in steps.items():
-        object.__setattr__(model, name, function)
-    reset_compiled_functions(model)
-
-
-def remove_steps(model: Any) -> None:
-    for name in _STEP_NAMES:
-        model.__dict__.pop(name, None)
-    reset_compiled_functions(model)
-
-
-def reset_compiled_functions(model: Any) -> None:
-    model.train_function = None
-    model.test_function = None
-    model.predict_function = None

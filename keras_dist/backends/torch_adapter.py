@@ -20,6 +20,7 @@ import torch
 import torch.distributed as torch_distributed
 from torch.nn.parallel import DistributedDataParallel
 
+from keras_dist._keras_compat import install_steps, remove_steps
 from keras_dist.backends import torch_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.torch_input_adapter import (
@@ -249,10 +250,10 @@ class TorchAdapter(BackendAdapter):
             )
 
         internals.route_batches(batches_for_epoch)
-        internals.install_steps(model, internals.make_steps(model, collectives))
+        install_steps(model, internals.make_steps(model, collectives))
 
     def deactivate(self, model: Any) -> None:
-        internals.remove_steps(model)
+        remove_steps(model)
         internals.unroute_batches()
 
 

@@ -19,12 +19,14 @@ from keras.src.trainers.data_adapters import (
     torch_data_loader_adapter,
 )
 
-from keras_dist._keras_compat import update_compiled_metrics, uses_keras_compute_metrics
+from keras_dist._keras_compat import (
+    update_compiled_metrics,
+    uses_keras_compute_metrics,
+)
 from keras_dist.padding import masked_row_weights
 
 _original_get_iterator = torch_trainer.TorchEpochIterator._get_iterator
 _batch_source: list[Callable[[Any], Iterator[Any]]] = []
-_STEP_NAMES = ("train_step", "test_step", "predict_step", "get_metrics_result")
 
 
 @dataclass
@@ -263,21 +265,3 @@ def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
         "predict_step": predict_step,
         "get_metrics_result": get_metrics_result,
     }
-
-
-def install_steps(model: Any, steps: dict[str, Callable]) -> None:
-    for name, function in steps.items():
-        object.__setattr__(model, name, function)
-    reset_compiled_functions(model)
-
-
-def remove_steps(model: Any) -> None:
-    for name in _STEP_NAMES:
-        model.__dict__.pop(name, None)
-    reset_compiled_functions(model)
-
-
-def reset_compiled_functions(model: Any) -> None:
-    model.train_function = None
-    model.test_function = None
-    model.predict_function = None

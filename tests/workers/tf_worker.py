@@ -100,13 +100,13 @@ def seen_ids() -> list[list[float]]:
     strategy = adapter.strategy(distribution)
     ids = np.arange(37, dtype="float32")[:, None]
     data = get_data_adapter(ids, np.zeros((37,)), batch_size=8, shuffle=True)
-    stream = adapter.shuffle_stream(distribution)
+    stream = adapter.shuffle_stream(strategy)
     epochs = []
     for _ in range(2):
         seen: list[float] = []
         batches = inputs.distributed_batches(
             strategy,
-            lambda: adapter.global_batches(data, stream),
+            adapter.global_batches(data, stream),
             num_workers=kd.num_processes(),
             worker_index=kd.process_id(),
         )
