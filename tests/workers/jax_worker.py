@@ -21,6 +21,9 @@ from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402
 
 from keras_dist.backends.jax_input_adapter import DistributedBatches  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import scenarios  # noqa: E402
+
 SAMPLES = 37
 BATCH = 8
 
@@ -221,56 +224,6 @@ def own_data_reference() -> dict:
     return {"weights": [w.tolist() for w in model.get_weights()], "history": history}
 
 
-def different_data() -> dict:
-    """Each process reads different data: splitting it would lose samples."""
-    x = np.full((16, 6), float(kd.process_id()), "float32")
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse")
-    try:
-        model.fit(
-            x,
-            x[:, :1],
-            batch_size=8,
-            verbose=0,
-            callbacks=[kd.DistributeCallback(kd.DataParallel())],
-        )
-    except ValueError as error:
-        return {"error": str(error)}
-    return {"error": None}
-
-
-def lose_a_process() -> dict:
-    """Process 1 dies in the middle of the second epoch."""
-    import os
-    import time
-
-    class Die(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if kd.process_id() == 1 and self.epoch == 1 and batch == 2:
-                os._exit(17)
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-    x = np.random.default_rng(0).normal(size=(400, 6)).astype("float32")
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse")
-    started = time.monotonic()
-    try:
-        model.fit(
-            x,
-            x[:, :1],
-            batch_size=8,
-            epochs=50,
-            verbose=0,
-            callbacks=[kd.DistributeCallback(kd.DataParallel()), Die()],
-        )
-    except Exception as error:  # the survivors must get here, not hang
-        print(f"survivor error after {time.monotonic() - started:.1f}s: {error}")
-        raise
-    return {}
-
-
 OUTPUT_DIR = "."
 
 
@@ -279,9 +232,9 @@ def main() -> None:
     scenario, output = sys.argv[1], sys.argv[2]
     OUTPUT_DIR = str(pathlib.Path(output).parent)
     if scenario == "lose_a_process":
-        result = lose_a_process()
+        result = scenarios.lose_a_process()
     elif scenario == "different_data":
-        result = different_data()
+        result = scenarios.different_data()
     elif scenario == "own_data":
         result = own_data()
     elif scenario == "own_data_reference":

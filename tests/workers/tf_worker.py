@@ -24,37 +24,17 @@ import numpy as np  # noqa: E402
 
 SAMPLES, BATCH = 45, 12
 
-
-def _data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(SAMPLES, 6)).astype("float32")
-    y = rng.integers(0, 3, size=(SAMPLES,))
-    return x, keras.utils.to_categorical(y, 3)
-
-
-def _model() -> keras.Model:
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(16, activation="relu"),
-            keras.layers.Dense(3, activation="softmax"),
-        ]
-    )
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss="categorical_crossentropy",
-        metrics=["accuracy", keras.metrics.AUC(name="auc")],
-        weighted_metrics=[keras.metrics.MeanSquaredError(name="mse")],
-    )
-    return model
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import scenarios  # noqa: E402
 
 
 def train() -> dict:
     # Different seeds on purpose: process 0's weights must win everywhere.
     keras.utils.set_random_seed(100 + kd.process_id())
-    x, y = _data()
+    x, y = scenarios.classification_data()
     weights = np.linspace(0.5, 1.5, SAMPLES).astype("float32")
-    model = _model()  # built outside the scope: mirrored when fit starts
+    # Built outside the scope: mirrored when fit starts.
+    model = scenarios.classification_model()
     distribution = kd.DataParallel()
     history = model.fit(
         x,
@@ -136,9 +116,9 @@ def keras_20585() -> dict:
     import tensorflow as tf
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    x, y = _data()
+    x, y = scenarios.classification_data()
     with strategy.scope():
-        model = _model()
+        model = scenarios.classification_model()
     errors = {}
 
     def fit() -> str | None:
@@ -163,55 +143,6 @@ def keras_20585() -> dict:
     return {"errors": errors, "weights": [w.tolist() for w in model.get_weights()]}
 
 
-def different_data() -> dict:
-    """Each process reads different data: splitting it would lose samples."""
-    x = np.full((16, 6), float(kd.process_id()), "float32")
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse")
-    try:
-        model.fit(
-            x,
-            x[:, :1],
-            batch_size=8,
-            verbose=0,
-            callbacks=[kd.DistributeCallback(kd.DataParallel())],
-        )
-    except ValueError as error:
-        return {"error": str(error)}
-    return {"error": None}
-
-
-def lose_a_process() -> dict:
-    """Process 1 dies in the middle of the second epoch."""
-    import time
-
-    class Die(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if kd.process_id() == 1 and self.epoch == 1 and batch == 2:
-                os._exit(17)
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-    x = np.random.default_rng(0).normal(size=(200, 6)).astype("float32")
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse")
-    started = time.monotonic()
-    try:
-        model.fit(
-            x,
-            x[:, :1],
-            batch_size=8,
-            epochs=50,
-            verbose=0,
-            callbacks=[kd.DistributeCallback(kd.DataParallel()), Die()],
-        )
-    except Exception as error:  # the survivor must get here, not hang
-        print(f"survivor error after {time.monotonic() - started:.1f}s: {error}")
-        raise
-    return {}
-
-
 def main() -> None:
     output = pathlib.Path(sys.argv[2])
     if SCENARIO == "train":
@@ -221,9 +152,9 @@ def main() -> None:
     elif SCENARIO == "keras_20585":
         result = keras_20585()
     elif SCENARIO == "different_data":
-        result = different_data()
+        result = scenarios.different_data()
     elif SCENARIO == "lose_a_process":
-        result = lose_a_process()
+        result = scenarios.lose_a_process()
     else:
         raise ValueError(SCENARIO)
     result["process_id"] = kd.process_id()

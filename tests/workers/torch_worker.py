@@ -20,9 +20,9 @@ from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402
 from keras_dist.backends.torch_input_adapter import RankBatches  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import scenarios  # noqa: E402
 from jax_worker import (  # noqa: E402
     _inputs,
-    lose_a_process,
     own_data,
     own_data_reference,
 )
@@ -50,33 +50,11 @@ def seen_ids(kind: str) -> list[list[float]]:
     return epochs
 
 
-def _data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(45, 6)).astype("float32")
-    y = rng.integers(0, 3, size=(45,))
-    return x, keras.utils.to_categorical(y, 3)
-
-
-def _model(batch_norm: bool) -> keras.Model:
-    layers = [keras.Input((6,)), keras.layers.Dense(16, activation="relu")]
-    if batch_norm:
-        layers.append(keras.layers.BatchNormalization())
-    layers.append(keras.layers.Dense(3, activation="softmax"))
-    model = keras.Sequential(layers)
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss="categorical_crossentropy",
-        metrics=["accuracy", keras.metrics.AUC(name="auc")],
-        weighted_metrics=[keras.metrics.MeanSquaredError(name="mse")],
-    )
-    return model
-
-
 def train(batch_norm: bool) -> dict:
     # Different seeds on purpose: process 0's weights must win everywhere.
     keras.utils.set_random_seed(100 + kd.process_id())
-    x, y = _data()
-    model = _model(batch_norm)
+    x, y = scenarios.classification_data()
+    model = scenarios.classification_model(batch_norm)
     distribution = kd.DataParallel()
     history = model.fit(
         x,
@@ -171,7 +149,7 @@ def loader_training(kind: str, record: pathlib.Path) -> dict:
     )
     # Different seeds on purpose: process 0's weights and shuffle must win.
     keras.utils.set_random_seed(100 + kd.process_id())
-    model = _model(batch_norm=False)
+    model = scenarios.classification_model(batch_norm=False)
     distribution = kd.DataParallel()
     history = model.fit(
         loader,
@@ -213,7 +191,7 @@ def loader_mismatch() -> dict:
     dataset = torch.utils.data.TensorDataset(
         torch.zeros(samples, 6), torch.zeros(samples, 3)
     )
-    model = _model(batch_norm=False)
+    model = scenarios.classification_model(batch_norm=False)
     try:
         model.fit(
             torch.utils.data.DataLoader(dataset, batch_size=12, shuffle=True),
@@ -239,7 +217,7 @@ def unused_weight() -> dict:
     model(np.zeros((1, 6), "float32"))
     model.unused(np.zeros((1, 6), "float32"))
     model.compile(optimizer="sgd", loss="mse")
-    x, _ = _data()
+    x, _ = scenarios.classification_data()
     try:
         model.fit(
             x,
@@ -264,7 +242,7 @@ def main() -> None:
     elif scenario == "own_data_reference":
         result = own_data_reference()
     elif scenario == "lose_a_process":
-        result = lose_a_process()
+        result = scenarios.lose_a_process()
     elif scenario == "unused_weight":
         result = unused_weight()
     elif scenario == "loader_mismatch":

@@ -1,0 +1,85 @@
+"""Scenarios every backend's worker runs the same way (no backend imports).
+
+The workers call `kd.initialize()` before importing this module's users.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import keras
+import numpy as np
+
+import keras_dist as kd
+
+
+def classification_data() -> tuple[np.ndarray, np.ndarray]:
+    """45 samples of 6 features, one-hot labels of 3 classes."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(45, 6)).astype("float32")
+    y = rng.integers(0, 3, size=(45,))
+    return x, keras.utils.to_categorical(y, 3)
+
+
+def classification_model(batch_norm: bool = False) -> keras.Model:
+    layers = [keras.Input((6,)), keras.layers.Dense(16, activation="relu")]
+    if batch_norm:
+        layers.append(keras.layers.BatchNormalization())
+    layers.append(keras.layers.Dense(3, activation="softmax"))
+    model = keras.Sequential(layers)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="categorical_crossentropy",
+        metrics=["accuracy", keras.metrics.AUC(name="auc")],
+        weighted_metrics=[keras.metrics.MeanSquaredError(name="mse")],
+    )
+    return model
+
+
+def different_data() -> dict:
+    """Each process reads different data: splitting it would lose samples."""
+    x = np.full((16, 6), float(kd.process_id()), "float32")
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    try:
+        model.fit(
+            x,
+            x[:, :1],
+            batch_size=8,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(kd.DataParallel())],
+        )
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def lose_a_process() -> dict:
+    """Process 1 dies in the middle of the second epoch."""
+
+    class Die(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if kd.process_id() == 1 and self.epoch == 1 and batch == 2:
+                os._exit(17)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+    x = np.random.default_rng(0).normal(size=(400, 6)).astype("float32")
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    started = time.monotonic()
+    try:
+        model.fit(
+            x,
+            x[:, :1],
+            batch_size=8,
+            epochs=50,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(kd.DataParallel()), Die()],
+        )
+    except Exception as error:  # the survivors must get here, not hang
+        print(f"survivor error after {time.monotonic() - started:.1f}s: {error}")
+        raise
+    return {}
