@@ -7,53 +7,22 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+from tests import parity
 
 pytestmark = pytest.mark.backend("jax")
 
-SAMPLES = 101  # divides neither the global batch nor the device count
+SAMPLES = parity.SAMPLES
 BATCH = 20  # does not divide the 8 devices either
 
 
-def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(SAMPLES, 6)).astype("float32")
-    y = rng.integers(0, 3, size=(SAMPLES,))
-    return x, y
-
-
-def _layers() -> list:
-    return [
-        keras.Input((6,)),
-        keras.layers.Dense(16, activation="relu", name="hidden"),
-        keras.layers.Dense(3, activation="softmax", name="head"),
-    ]
-
-
-def _compile(model: keras.Model) -> keras.Model:
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss="sparse_categorical_crossentropy",
-        metrics=["accuracy"],
-        weighted_metrics=["sparse_categorical_accuracy"],
+def _fit_evaluate_predict(model, callbacks_factory, sample_weight=None, epochs=3):
+    return parity.fit_evaluate_predict(
+        model,
+        callbacks_factory,
+        batch=BATCH,
+        epochs=epochs,
+        sample_weight=sample_weight,
     )
-    return model
-
-
-def _sequential() -> keras.Model:
-    keras.utils.set_random_seed(1)
-    return _compile(keras.Sequential(_layers()))
-
-
-class FunctionalTrainer(kd.Trainer, keras.Model):
-    pass
-
-
-def _functional_trainer(distribution) -> keras.Model:
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
-    outputs = keras.layers.Dense(3, activation="softmax", name="head")(hidden)
-    return _compile(FunctionalTrainer(inputs, outputs, distribution=distribution))
 
 
 class SubclassedTrainer(kd.Trainer, keras.Model):
@@ -70,50 +39,7 @@ def _subclassed_trainer(distribution) -> keras.Model:
     keras.utils.set_random_seed(1)
     model = SubclassedTrainer(distribution=distribution)
     model(np.zeros((1, 6), "float32"))
-    return _compile(model)
-
-
-def _fit_evaluate_predict(model, callbacks_factory, sample_weight=None):
-    x, y = _data()
-    history = model.fit(
-        x,
-        y,
-        sample_weight=sample_weight,
-        batch_size=BATCH,
-        epochs=3,
-        shuffle=False,
-        verbose=0,
-        validation_data=(x[:37], y[:37]),
-        callbacks=callbacks_factory(),
-    )
-    evaluation = model.evaluate(
-        x,
-        y,
-        batch_size=BATCH,
-        verbose=0,
-        return_dict=True,
-        callbacks=callbacks_factory(),
-    )
-    predictions = model.predict(
-        x, batch_size=BATCH, verbose=0, callbacks=callbacks_factory()
-    )
-    return history.history, evaluation, predictions
-
-
-def _assert_same_training(reference, candidate, reference_model, candidate_model):
-    ref_history, ref_eval, ref_pred = reference
-    history, evaluation, predictions = candidate
-    for a, b in zip(
-        reference_model.get_weights(), candidate_model.get_weights(), strict=True
-    ):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    assert history.keys() == ref_history.keys()
-    for key in ref_history:
-        np.testing.assert_allclose(history[key], ref_history[key], atol=1e-5, rtol=0)
-    for key in ref_eval:
-        np.testing.assert_allclose(evaluation[key], ref_eval[key], atol=1e-5, rtol=0)
-    assert predictions.shape == (SAMPLES, 3)
-    np.testing.assert_allclose(predictions, ref_pred, atol=1e-5, rtol=0)
+    return parity.compile_model(model)
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +47,16 @@ def single_device_run():
     assert len(keras.distribution.list_devices()) == 8, (
         "run with KERAS_DIST_CPU_DEVICES=8"
     )
-    model = _sequential()
+    model = parity.sequential()
     return model, _fit_evaluate_predict(model, lambda: [])
 
 
 def test_callback_data_parallel_matches_single_device(single_device_run):
     reference_model, reference = single_device_run
     distribution = kd.DataParallel()
-    model = _sequential()  # built and compiled before the distribution existed
+    model = parity.sequential()  # built and compiled before the distribution existed
     result = _fit_evaluate_predict(model, lambda: [kd.DistributeCallback(distribution)])
-    _assert_same_training(reference, result, reference_model, model)
+    parity.assert_same_training(reference, result, reference_model, model)
     # The variables were laid out on all 8 devices, replicated.
     kernel = model.get_layer("hidden").kernel.value
     assert len(kernel.sharding.device_set) == 8
@@ -141,51 +67,51 @@ def test_callback_data_parallel_matches_single_device(single_device_run):
 
 
 def test_sample_weights_and_padding_match_single_device():
-    x, y = _data()
+    x, y = parity.data()
     weights = np.linspace(0.1, 2.0, SAMPLES).astype("float32")
-    reference_model = _sequential()
+    reference_model = parity.sequential()
     reference = _fit_evaluate_predict(
         reference_model, lambda: [], sample_weight=weights
     )
-    model = _sequential()
+    model = parity.sequential()
     distribution = kd.DataParallel()
     result = _fit_evaluate_predict(
         model, lambda: [kd.DistributeCallback(distribution)], sample_weight=weights
     )
-    _assert_same_training(reference, result, reference_model, model)
+    parity.assert_same_training(reference, result, reference_model, model)
 
 
-@pytest.mark.parametrize("build", [_functional_trainer, _subclassed_trainer])
+@pytest.mark.parametrize("build", [parity.functional_trainer, _subclassed_trainer])
 def test_trainer_mixin_matches_single_device(single_device_run, build):
     reference_model, reference = single_device_run
     model = build(kd.DataParallel())
     result = _fit_evaluate_predict(model, lambda: None)
-    _assert_same_training(reference, result, reference_model, model)
+    parity.assert_same_training(reference, result, reference_model, model)
     assert kd.distribution() is None
 
 
 def test_trainer_uses_the_global_distribution(single_device_run):
     reference_model, reference = single_device_run
-    model = _functional_trainer(None)
+    model = parity.functional_trainer(None)
     distribution = kd.DataParallel()
     with distribution.scope():
         result = _fit_evaluate_predict(model, lambda: None)
         assert kd.distribution() is distribution
-    _assert_same_training(reference, result, reference_model, model)
+    parity.assert_same_training(reference, result, reference_model, model)
     assert len(model.get_layer("hidden").kernel.value.sharding.device_set) == 8
 
 
 def test_trainer_without_distribution_trains_like_keras(single_device_run):
     reference_model, reference = single_device_run
-    model = _functional_trainer(None)
+    model = parity.functional_trainer(None)
     result = _fit_evaluate_predict(model, lambda: None)
-    _assert_same_training(reference, result, reference_model, model)
+    parity.assert_same_training(reference, result, reference_model, model)
     assert len(model.get_layer("hidden").kernel.value.sharding.device_set) == 1
 
 
 def test_failed_fit_switches_the_distribution_off():
-    model = _functional_trainer(kd.DataParallel())
-    x, y = _data()
+    model = parity.functional_trainer(kd.DataParallel())
+    x, y = parity.data()
 
     class Boom(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -199,8 +125,8 @@ def test_failed_fit_switches_the_distribution_off():
 
 
 def test_reused_callback_after_a_failed_call():
-    model = _sequential()
-    x, y = _data()
+    model = parity.sequential()
+    x, y = parity.data()
     callback = kd.DistributeCallback(kd.DataParallel())
 
     class Boom(keras.callbacks.Callback):
@@ -225,9 +151,9 @@ def _model_parallel_distribution() -> kd.ModelParallel:
 def test_model_parallel_shards_kernels_and_optimizer_slots(single_device_run):
     reference_model, reference = single_device_run
     distribution = _model_parallel_distribution()
-    model = _sequential()
+    model = parity.sequential()
     result = _fit_evaluate_predict(model, lambda: [kd.DistributeCallback(distribution)])
-    _assert_same_training(reference, result, reference_model, model)
+    parity.assert_same_training(reference, result, reference_model, model)
 
     kernel = model.get_layer("hidden").kernel
     shards = kernel.value.addressable_shards
@@ -246,7 +172,7 @@ def test_model_parallel_shards_kernels_and_optimizer_slots(single_device_run):
 def test_model_parallel_relayouts_a_layer_output():
     distribution = _model_parallel_distribution()
     with distribution.scope():
-        model = keras.Sequential(_layers())
+        model = keras.Sequential(parity.layers())
         hidden = keras.Model(model.inputs, model.get_layer("hidden").output)
         outputs = hidden(np.ones((8, 6), "float32"))
     assert tuple(outputs.sharding.spec) == ("batch", "model")
@@ -262,15 +188,15 @@ def test_trainer_with_model_parallel(single_device_run):
     reference_model, reference = single_device_run
     model = _subclassed_trainer(_model_parallel_distribution())
     result = _fit_evaluate_predict(model, lambda: None)
-    _assert_same_training(reference, result, reference_model, model)
+    parity.assert_same_training(reference, result, reference_model, model)
     assert tuple(model.hidden.kernel.value.sharding.spec) == (None, "model")
 
 
 def test_keras_alone_fails_on_a_model_built_before_the_distribution():
     """The gap keras_dist closes: Keras' own DataParallel needs the model built
     under it. If a Keras release fixes this, this test tells us."""
-    model = _sequential()
-    x, y = _data()
+    model = parity.sequential()
+    x, y = parity.data()
     keras.distribution.set_distribution(keras.distribution.DataParallel())
     with (
         pytest.raises(ValueError, match="incompatible devices"),
@@ -280,8 +206,8 @@ def test_keras_alone_fails_on_a_model_built_before_the_distribution():
 
 
 def test_fit_in_a_loop_reuses_the_compiled_step_until_compile_changes_it():
-    model = _sequential()
-    x, y = _data()
+    model = parity.sequential()
+    x, y = parity.data()
     distribution = kd.DataParallel()
     seen = []
 
@@ -303,7 +229,7 @@ def test_fit_in_a_loop_reuses_the_compiled_step_until_compile_changes_it():
     first = fit()
     assert fit() is first
     assert model.train_function is None  # plain Keras steps outside the run
-    _compile(model)
+    parity.compile_model(model)
     assert fit() is not first
     other = kd.DataParallel(devices=kd.list_devices()[:4])
     assert model.fit(

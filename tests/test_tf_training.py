@@ -7,102 +7,27 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+from tests import parity
 
 pytestmark = pytest.mark.backend("tensorflow")
 
-SAMPLES = 101  # divides neither the global batch nor the device count
+SAMPLES = parity.SAMPLES
 BATCH = 18  # does not divide the 4 devices either
 DEVICES = 4
 
 
-def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(SAMPLES, 6)).astype("float32")
-    y = rng.integers(0, 3, size=(SAMPLES,))
-    return x, y
-
-
-def _layers() -> list:
-    return [
-        keras.Input((6,)),
-        keras.layers.Dense(16, activation="relu", name="hidden"),
-        keras.layers.Dense(3, activation="softmax", name="head"),
-    ]
-
-
-def _compile(model: keras.Model) -> keras.Model:
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss="sparse_categorical_crossentropy",
-        metrics=["accuracy"],
-        weighted_metrics=["sparse_categorical_accuracy"],
+def _fit_evaluate_predict(model, callbacks_factory, sample_weight=None, epochs=2):
+    return parity.fit_evaluate_predict(
+        model,
+        callbacks_factory,
+        batch=BATCH,
+        epochs=epochs,
+        sample_weight=sample_weight,
     )
-    return model
-
-
-def _sequential() -> keras.Model:
-    keras.utils.set_random_seed(1)
-    return _compile(keras.Sequential(_layers()))
 
 
 def _distribution() -> kd.DataParallel:
     return kd.DataParallel(devices=kd.list_devices()[:DEVICES])
-
-
-class FunctionalTrainer(kd.Trainer, keras.Model):
-    pass
-
-
-def _functional_trainer(distribution) -> keras.Model:
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
-    outputs = keras.layers.Dense(3, activation="softmax", name="head")(hidden)
-    return _compile(FunctionalTrainer(inputs, outputs, distribution=distribution))
-
-
-def _fit_evaluate_predict(model, callbacks_factory, sample_weight=None, epochs=2):
-    x, y = _data()
-    history = model.fit(
-        x,
-        y,
-        sample_weight=sample_weight,
-        batch_size=BATCH,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-        validation_data=(x[:37], y[:37]),
-        callbacks=callbacks_factory(),
-    )
-    evaluation = model.evaluate(
-        x,
-        y,
-        batch_size=BATCH,
-        verbose=0,
-        return_dict=True,
-        callbacks=callbacks_factory(),
-    )
-    predictions = model.predict(
-        x, batch_size=BATCH, verbose=0, callbacks=callbacks_factory()
-    )
-    return history.history, evaluation, predictions
-
-
-def _assert_same_training(reference, candidate, reference_model, candidate_model):
-    ref_history, ref_eval, ref_pred = reference
-    history, evaluation, predictions = candidate
-    for a, b in zip(
-        reference_model.get_weights(), candidate_model.get_weights(), strict=True
-    ):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    assert history.keys() == ref_history.keys()
-    for key in ref_history:
-        np.testing.assert_allclose(history[key], ref_history[key], atol=1e-5, rtol=0)
-    assert evaluation.keys() == ref_eval.keys()
-    for key in ref_eval:
-        np.testing.assert_allclose(evaluation[key], ref_eval[key], atol=1e-5, rtol=0)
-    assert predictions.shape == (SAMPLES, 3)
-    np.testing.assert_allclose(predictions, ref_pred, atol=1e-5, rtol=0)
 
 
 def _replicas(variable) -> int:
@@ -113,7 +38,7 @@ def _replicas(variable) -> int:
 @pytest.fixture(scope="module")
 def single_device_run():
     assert len(kd.list_devices()) >= DEVICES, "run with KERAS_DIST_CPU_DEVICES=8"
-    model = _sequential()
+    model = parity.sequential()
     return model, _fit_evaluate_predict(model, lambda: [])
 
 
@@ -122,10 +47,10 @@ def test_callback_matches_single_device_for_a_model_built_outside_the_scope(
 ):
     reference_model, reference = single_device_run
     distribution = _distribution()
-    model = _sequential()  # built and compiled before the distribution existed
+    model = parity.sequential()  # built and compiled before the distribution existed
     assert _replicas(model.get_layer("hidden").kernel) == 1
     result = _fit_evaluate_predict(model, lambda: [kd.DistributeCallback(distribution)])
-    _assert_same_training(reference, result, reference_model, model)
+    parity.assert_same_training(reference, result, reference_model, model)
     # Its variables, optimizer slots and step counter were mirrored on the 4
     # devices, keeping their values: every step ran once, not once per replica.
     assert _replicas(model.get_layer("hidden").kernel) == DEVICES
@@ -140,20 +65,20 @@ def test_model_built_under_the_scope_is_mirrored_from_the_start(single_device_ru
     reference_model, reference = single_device_run
     distribution = _distribution()
     with distribution.scope():
-        model = _sequential()
+        model = parity.sequential()
         assert kd.distribution() is distribution
     assert _replicas(model.get_layer("hidden").kernel) == DEVICES
     result = _fit_evaluate_predict(model, lambda: [kd.DistributeCallback(distribution)])
-    _assert_same_training(reference, result, reference_model, model)
+    parity.assert_same_training(reference, result, reference_model, model)
 
 
 def test_sample_weights_and_padding_match_single_device():
     weights = np.linspace(0.1, 2.0, SAMPLES).astype("float32")
-    reference_model = _sequential()
+    reference_model = parity.sequential()
     reference = _fit_evaluate_predict(
         reference_model, lambda: [], sample_weight=weights, epochs=1
     )
-    model = _sequential()
+    model = parity.sequential()
     distribution = _distribution()
     result = _fit_evaluate_predict(
         model,
@@ -161,14 +86,14 @@ def test_sample_weights_and_padding_match_single_device():
         sample_weight=weights,
         epochs=1,
     )
-    _assert_same_training(reference, result, reference_model, model)
+    parity.assert_same_training(reference, result, reference_model, model)
 
 
 def test_trainer_mixin_matches_single_device(single_device_run):
     reference_model, reference = single_device_run
-    model = _functional_trainer(_distribution())
+    model = parity.functional_trainer(_distribution())
     result = _fit_evaluate_predict(model, lambda: None)
-    _assert_same_training(reference, result, reference_model, model)
+    parity.assert_same_training(reference, result, reference_model, model)
     assert kd.distribution() is None
     assert _replicas(model.get_layer("hidden").kernel) == DEVICES
 
@@ -177,9 +102,9 @@ def test_trainer_uses_the_global_distribution(single_device_run):
     reference_model, reference = single_device_run
     distribution = _distribution()
     with distribution.scope():
-        model = _functional_trainer(None)
+        model = parity.functional_trainer(None)
         result = _fit_evaluate_predict(model, lambda: None)
-    _assert_same_training(reference, result, reference_model, model)
+    parity.assert_same_training(reference, result, reference_model, model)
     assert _replicas(model.get_layer("hidden").kernel) == DEVICES
 
 
@@ -196,7 +121,7 @@ def _regression_model() -> keras.Model:
 
 
 def _regression_data():
-    x, _ = _data(3)
+    x, _ = parity.data(3)
     y = (x[:, :1] > 0).astype("float32")
     return x, y
 
@@ -259,7 +184,7 @@ def _generator(x, y):
 def test_every_input_type_matches_single_device(kind):
     import tensorflow as tf
 
-    x, y = _data()
+    x, y = parity.data()
 
     def inputs():
         if kind == "tf.data":
@@ -268,9 +193,9 @@ def test_every_input_type_matches_single_device(kind):
             return _Sequence(x, y)
         return _generator(x, y)
 
-    reference = _sequential()
+    reference = parity.sequential()
     reference.fit(inputs(), epochs=1, verbose=0)
-    model = _sequential()
+    model = parity.sequential()
     model.fit(
         inputs(),
         epochs=1,
@@ -291,8 +216,8 @@ def test_every_input_type_matches_single_device(kind):
 
 
 def test_failed_fit_switches_the_distribution_off():
-    model = _functional_trainer(_distribution())
-    x, y = _data()
+    model = parity.functional_trainer(_distribution())
+    x, y = parity.data()
 
     class Boom(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -308,8 +233,8 @@ def test_failed_fit_switches_the_distribution_off():
 def test_devices_tensorflow_does_not_have_are_refused():
     mesh = kd.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:99"])
     with pytest.raises(ValueError, match=r"\['cpu:99'\]"):
-        _sequential().fit(
-            *_data(),
+        parity.sequential().fit(
+            *parity.data(),
             batch_size=BATCH,
             verbose=0,
             callbacks=[kd.DistributeCallback(kd.DataParallel(mesh))],
@@ -323,8 +248,8 @@ def test_replicas_along_a_model_axis_are_refused():
     mesh = kd.DeviceMesh((2, 2), ["batch", "model"], kd.list_devices()[:4])
     distribution = kd.ModelParallel(layout_map=kd.LayoutMap(mesh))
     with pytest.raises(ValueError, match="batch axis has 2 of the 4 devices"):
-        _sequential().fit(
-            *_data(),
+        parity.sequential().fit(
+            *parity.data(),
             batch_size=BATCH,
             verbose=0,
             callbacks=[kd.DistributeCallback(distribution)],
@@ -336,8 +261,8 @@ def test_keras_alone_ignores_a_data_parallel_distribution():
     """The gap keras_dist closes: on TensorFlow, Keras' own DataParallel trains
     on one device without a word. If a Keras release fixes this, this test
     tells us."""
-    model = _sequential()
+    model = parity.sequential()
     keras.distribution.set_distribution(keras.distribution.DataParallel())
-    model.fit(*_data(), batch_size=BATCH, verbose=0)
+    model.fit(*parity.data(), batch_size=BATCH, verbose=0)
     assert _replicas(model.get_layer("hidden").kernel) == 1
     assert model.distribute_strategy.num_replicas_in_sync == 1
