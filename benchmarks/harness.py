@@ -167,6 +167,27 @@ def entry_arguments(description: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
+def entry_result(
+    entry: str,
+    args: argparse.Namespace,
+    *,
+    devices: int,
+    global_batch: int,
+    **fields: Any,
+) -> dict[str, Any]:
+    """The JSON every entry writes: how it ran, then its own `fields`."""
+    return {
+        "entry": entry,
+        "backend": keras.backend.backend(),
+        "devices": devices,
+        "global_batch": global_batch,
+        "steps": args.steps,
+        "skip_steps": args.skip_steps,
+        "repeats": args.repeats,
+        **fields,
+    }
+
+
 def write_result(path: str, result: dict[str, Any]) -> None:
     text = json.dumps(result, indent=2)
     if path == "-":

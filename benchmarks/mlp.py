@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import keras
 import numpy as np
 
@@ -36,3 +38,31 @@ def synthetic_data(rows: int) -> tuple[np.ndarray, np.ndarray]:
     x = rng.normal(size=(rows, FEATURES)).astype("float32")
     y = rng.integers(0, CLASSES, size=(rows,)).astype("int32")
     return x, y
+
+
+def describe(model: keras.Model) -> str:
+    params = model.count_params()
+    return f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, {params:,} params, Adam"
+
+
+def fit_steps(
+    model: keras.Model,
+    x: np.ndarray,
+    y: np.ndarray,
+    own_callbacks: Callable[[], list] = list,
+) -> Callable[[int, list], keras.callbacks.History]:
+    """A candidate's `fit(steps, callbacks)`: `steps` global batches of `x, y`,
+    in order, with `own_callbacks()` ahead of the harness' callbacks."""
+
+    def fit(steps: int, callbacks: list) -> keras.callbacks.History:
+        rows = steps * GLOBAL_BATCH
+        return model.fit(
+            x[:rows],
+            y[:rows],
+            batch_size=GLOBAL_BATCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=[*own_callbacks(), *callbacks],
+        )
+
+    return fit

@@ -27,13 +27,18 @@ import keras_dist.backends  # isort: skip
 import keras
 import tensorflow as tf
 
-from benchmarks.harness import Candidate, entry_arguments, run_interleaved, write_result
+from benchmarks.harness import (
+    Candidate,
+    entry_arguments,
+    entry_result,
+    run_interleaved,
+    write_result,
+)
 from benchmarks.mlp import (
-    CLASSES,
-    FEATURES,
     GLOBAL_BATCH,
-    HIDDEN,
     build_model,
+    describe,
+    fit_steps,
     synthetic_data,
 )
 
@@ -69,27 +74,8 @@ def main() -> None:
     with strategy.scope():
         native_model = build_model()
 
-    def fit_kd(steps: int, callbacks: list) -> keras.callbacks.History:
-        rows = steps * GLOBAL_BATCH
-        return kd_model.fit(
-            x[:rows],
-            y[:rows],
-            batch_size=GLOBAL_BATCH,
-            shuffle=False,
-            verbose=0,
-            callbacks=[kd.DistributeCallback(kd_distribution), *callbacks],
-        )
-
-    def fit_native(steps: int, callbacks: list) -> keras.callbacks.History:
-        rows = steps * GLOBAL_BATCH
-        return native_model.fit(
-            x[:rows],
-            y[:rows],
-            batch_size=GLOBAL_BATCH,
-            shuffle=False,
-            verbose=0,
-            callbacks=callbacks,
-        )
+    fit_kd = fit_steps(kd_model, x, y, lambda: [kd.DistributeCallback(kd_distribution)])
+    fit_native = fit_steps(native_model, x, y)
 
     candidates = [
         Candidate(
@@ -106,28 +92,24 @@ def main() -> None:
         skip_steps=args.skip_steps,
         warmup_steps=args.warmup_steps,
     )
-    params = kd_model.count_params()
-    result = {
-        "entry": "tf_mirrored",
-        "backend": keras.backend.backend(),
-        "devices": DEVICES,
-        "global_batch": GLOBAL_BATCH,
-        "steps": args.steps,
-        "skip_steps": args.skip_steps,
-        "repeats": args.repeats,
-        "model": f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, {params:,} params, Adam",
-        "baseline": "native",
-        "devices_used": {
+    result = entry_result(
+        "tf_mirrored",
+        args,
+        devices=DEVICES,
+        global_batch=GLOBAL_BATCH,
+        model=describe(kd_model),
+        baseline="native",
+        devices_used={
             "keras_dist": replicas_of(kd_model),
             "native": replicas_of(native_model),
         },
-        "versions": {
+        versions={
             "keras": keras.__version__,
             "tensorflow": tf.__version__,
             "keras_dist": kd.__version__,
         },
         **timings,
-    }
+    )
     write_result(args.json_out, result)
 
 

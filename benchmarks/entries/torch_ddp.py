@@ -54,6 +54,7 @@ from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     Candidate,
     entry_arguments,
+    entry_result,
     run_interleaved,
     write_result,
 )
@@ -197,24 +198,21 @@ def main() -> None:
     if rank != 0:
         return
     params = kd_model.count_params()
-    result = {
-        "entry": "torch_ddp",
-        "backend": keras.backend.backend(),
-        "devices": world_size,
-        "global_batch": GLOBAL_BATCH,
-        "steps": args.steps,
-        "skip_steps": args.skip_steps,
-        "repeats": args.repeats,
-        "model": f"guide-style convnet on {IMAGE_SHAPE}, {params:,} params, Adam",
-        "baseline": "torch_loop",
-        "devices_used": devices_used,
-        "versions": {
+    result = entry_result(
+        "torch_ddp",
+        args,
+        devices=world_size,
+        global_batch=GLOBAL_BATCH,
+        model=f"guide-style convnet on {IMAGE_SHAPE}, {params:,} params, Adam",
+        baseline="torch_loop",
+        devices_used=devices_used,
+        versions={
             "keras": keras.__version__,
             "torch": torch.__version__,
             "keras_dist": kd.__version__,
         },
         **timings,
-    }
+    )
     write_result(args.json_out, result)
 
 
