@@ -37,6 +37,55 @@ def classification_model(batch_norm: bool = False) -> keras.Model:
     return model
 
 
+def train(
+    *,
+    batch_norm: bool = False,
+    sample_weights: bool = False,
+    shuffle: bool,
+    verbose: int,
+) -> dict:
+    """fit (with validation), predict and evaluate the classification model
+    under `kd.DataParallel()`; what the parity tests compare."""
+    # Different seeds on purpose: process 0's weights must win everywhere.
+    keras.utils.set_random_seed(100 + kd.process_id())
+    x, y = classification_data()
+    weights = (
+        np.linspace(0.5, 1.5, len(x)).astype("float32") if sample_weights else None
+    )
+    model = classification_model(batch_norm)  # built before the distribution
+    distribution = kd.DataParallel()
+    history = model.fit(
+        x,
+        y,
+        sample_weight=weights,
+        batch_size=12,
+        epochs=3,
+        shuffle=shuffle,
+        verbose=verbose,
+        validation_data=(x[:20], y[:20]),
+        callbacks=[kd.DistributeCallback(distribution)],
+    ).history
+    predictions = model.predict(
+        x, batch_size=12, verbose=0, callbacks=[kd.DistributeCallback(distribution)]
+    )
+    evaluation = model.evaluate(
+        x,
+        y,
+        batch_size=7,
+        verbose=0,
+        return_dict=True,
+        callbacks=[kd.DistributeCallback(distribution)],
+    )
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "history": history,
+        "evaluation": evaluation,
+        "predictions": np.asarray(predictions).tolist(),
+        "processes": kd.num_processes(),
+        "devices": kd.list_devices(),
+    }
+
+
 def different_data() -> dict:
     """Each process reads different data: splitting it would lose samples."""
     x = np.full((16, 6), float(kd.process_id()), "float32")

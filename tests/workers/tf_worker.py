@@ -19,53 +19,12 @@ if SCENARIO != "keras_20585":
     # Before any TensorFlow op: the multi-worker runtime starts here.
     kd.initialize()
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-SAMPLES, BATCH = 45, 12
+BATCH = 12
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import scenarios  # noqa: E402
-
-
-def train() -> dict:
-    # Different seeds on purpose: process 0's weights must win everywhere.
-    keras.utils.set_random_seed(100 + kd.process_id())
-    x, y = scenarios.classification_data()
-    weights = np.linspace(0.5, 1.5, SAMPLES).astype("float32")
-    # Built outside the scope: mirrored when fit starts.
-    model = scenarios.classification_model()
-    distribution = kd.DataParallel()
-    history = model.fit(
-        x,
-        y,
-        sample_weight=weights,
-        batch_size=BATCH,
-        epochs=3,
-        shuffle=False,
-        verbose=2,
-        validation_data=(x[:20], y[:20]),
-        callbacks=[kd.DistributeCallback(distribution)],
-    ).history
-    predictions = model.predict(
-        x, batch_size=BATCH, verbose=0, callbacks=[kd.DistributeCallback(distribution)]
-    )
-    evaluation = model.evaluate(
-        x,
-        y,
-        batch_size=7,
-        verbose=0,
-        return_dict=True,
-        callbacks=[kd.DistributeCallback(distribution)],
-    )
-    return {
-        "weights": [w.tolist() for w in model.get_weights()],
-        "history": history,
-        "evaluation": evaluation,
-        "predictions": np.asarray(predictions).tolist(),
-        "processes": kd.num_processes(),
-        "devices": kd.list_devices(),
-    }
 
 
 def seen_ids() -> list[list[float]]:
@@ -146,7 +105,8 @@ def keras_20585() -> dict:
 def main() -> None:
     output = pathlib.Path(sys.argv[2])
     if SCENARIO == "train":
-        result = train()
+        # Weighted samples; built outside the scope: mirrored when fit starts.
+        result = scenarios.train(sample_weights=True, shuffle=False, verbose=2)
     elif SCENARIO == "ids":
         result = {"ids": seen_ids()}
     elif SCENARIO == "keras_20585":

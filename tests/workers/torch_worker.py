@@ -50,42 +50,6 @@ def seen_ids(kind: str) -> list[list[float]]:
     return epochs
 
 
-def train(batch_norm: bool) -> dict:
-    # Different seeds on purpose: process 0's weights must win everywhere.
-    keras.utils.set_random_seed(100 + kd.process_id())
-    x, y = scenarios.classification_data()
-    model = scenarios.classification_model(batch_norm)
-    distribution = kd.DataParallel()
-    history = model.fit(
-        x,
-        y,
-        batch_size=12,
-        epochs=3,
-        shuffle=True,
-        verbose=1,
-        validation_data=(x[:20], y[:20]),
-        callbacks=[kd.DistributeCallback(distribution)],
-    ).history
-    predictions = model.predict(
-        x, batch_size=12, verbose=0, callbacks=[kd.DistributeCallback(distribution)]
-    )
-    evaluation = model.evaluate(
-        x,
-        y,
-        batch_size=7,
-        verbose=0,
-        return_dict=True,
-        callbacks=[kd.DistributeCallback(distribution)],
-    )
-    return {
-        "weights": [w.tolist() for w in model.get_weights()],
-        "history": history,
-        "evaluation": evaluation,
-        "predictions": np.asarray(predictions).tolist(),
-        "processes": kd.num_processes(),
-    }
-
-
 LOADER_SAMPLES = 37  # batches of 12: 12, 12, 12, 1 (process 1 has no row of the last)
 
 
@@ -234,9 +198,9 @@ def unused_weight() -> dict:
 def main() -> None:
     scenario, output = sys.argv[1], sys.argv[2]
     if scenario == "train":
-        result = train(batch_norm=False)
+        result = scenarios.train(shuffle=True, verbose=1)
     elif scenario == "train_batch_norm":
-        result = train(batch_norm=True)
+        result = scenarios.train(batch_norm=True, shuffle=True, verbose=1)
     elif scenario == "own_data":
         result = own_data()
     elif scenario == "own_data_reference":
