@@ -136,6 +136,32 @@ def update_compiled_metrics(
                 metric.update_state(y_true, y_out, sample_weight=weights)
 
 
+class EpochRouting:
+    """Keras builds each epoch's batches with `iterator_class._get_iterator`;
+    while a source is routed, they come from `source(data_adapter)` instead
+    (the latest routed source wins; unrouting the last restores Keras')."""
+
+    def __init__(self, iterator_class: type):
+        self._class = iterator_class
+        self._original = iterator_class._get_iterator
+        self._sources: list[Callable[[Any], Any]] = []
+
+    def route(self, source: Callable[[Any], Any]) -> None:
+        sources = self._sources
+
+        def get_iterator(epoch_iterator: Any) -> Any:
+            return sources[-1](epoch_iterator.data_adapter)
+
+        self._class._get_iterator = get_iterator
+        sources.append(source)
+
+    def unroute(self) -> None:
+        if self._sources:
+            self._sources.pop()
+        if not self._sources:
+            self._class._get_iterator = self._original
+
+
 COMPILED_FUNCTIONS = ("train_function", "test_function", "predict_function")
 _INSTALLED_STEPS = "_keras_dist_steps"
 

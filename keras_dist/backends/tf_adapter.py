@@ -170,15 +170,12 @@ class TensorFlowAdapter(BackendAdapter):
         if self._multi_worker is not None:
             strategy = self._multi_worker
         else:
-            unknown = sorted(
-                set(names)
-                - set(self._local_devices(None))
-                - set(self._local_devices("cpu"))
-            )
+            available = self._local_devices(None) + self._local_devices("cpu")
+            unknown = sorted(set(names) - set(available))
             if unknown:
                 raise ValueError(
                     f"The mesh names devices this process does not have: {unknown}. "
-                    f"It has {self._local_devices(None)}; build the mesh from "
+                    f"It has {sorted(set(available))}; build the mesh from "
                     "keras_dist.list_devices()."
                 )
             devices = tuple(_tf_device(name) for name in names)
@@ -207,11 +204,10 @@ class TensorFlowAdapter(BackendAdapter):
         return strategy.scope()
 
     def _check_layouts(self, distribution: Any) -> None:
-        layout_map = getattr(distribution, "layout_map", None)
-        for key in list(layout_map.keys()) if layout_map is not None else []:
-            layout = layout_map[key]
-            axes = getattr(layout, "axes", layout)
-            if axes is not None and any(axis is not None for axis in axes):
+        layout_map = getattr(distribution, "layout_map", None) or {}
+        for key in layout_map:
+            axes = layout_map[key].axes
+            if any(axis is not None for axis in axes):
                 raise NotImplementedError(
                     _NOT_YET.format(
                         what=f"Sharding variables (here {key!r} as {tuple(axes)}, "
@@ -292,10 +288,7 @@ class TensorFlowAdapter(BackendAdapter):
                 self._check_same_input(strategy, dataset)
             if unprepared[0]:
                 unprepared[0] = False
-                # Variables created outside `distribution.scope()` are mirrored
-                # before the optimizer's slots are created next to them.
-                internals.mirror_variables(model, strategy)
-                internals.build_from(model, strategy, dataset.element_spec)
+                internals.prepare(model, strategy, dataset.element_spec)
             return inputs.distributed_batches(
                 strategy,
                 dataset,

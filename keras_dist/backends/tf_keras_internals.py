@@ -3,7 +3,7 @@
 `tests/test_keras_internals.py` calls `check()` and fails loudly when a Keras
 release moves any of these. It also holds the workarounds for Keras 3's
 multi-worker bugs (keras-team/keras#20585), each reproduced by a test in
-`tests/test_tf_training.py` so it can go when Keras fixes it.
+`tests/test_multiprocess_tf.py` so it can go when Keras fixes it.
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
 from keras_dist._keras_compat import (
+    EpochRouting,
     update_compiled_metrics,
     uses_keras_compute_metrics,
 )
 from keras_dist.backends.tf_input_adapter import DATA, MASK, SCALE
 from keras_dist.padding import masked_row_weights
 
-_original_get_iterator = tf_trainer.TFEpochIterator._get_iterator
 _original_reduce_per_replica = tf_trainer.reduce_per_replica
-_original_maybe_symbolic_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
-_batch_source: list[Callable[[Any], Any]] = []
+_epochs = EpochRouting(tf_trainer.TFEpochIterator)
 # Strategies whose step outputs keras_dist already made global (metrics) or
 # trimmed to real rows (predictions).
 _managed_strategies: list[Any] = []
@@ -69,23 +68,13 @@ def check() -> list[str]:
 
 
 # -- input batches -------------------------------------------------------------
-def _patched_get_iterator(epoch_iterator: Any) -> Any:
-    if _batch_source:
-        return _batch_source[-1](epoch_iterator.data_adapter)
-    return _original_get_iterator(epoch_iterator)
-
-
 def route_batches(source: Callable[[Any], Any]) -> None:
-    """Feed every Keras TF epoch from `source(data_adapter)` until unrouted."""
-    tf_trainer.TFEpochIterator._get_iterator = _patched_get_iterator
-    _batch_source.append(source)
+    """Feed every Keras epoch from `source(data_adapter)` until unrouted."""
+    _epochs.route(source)
 
 
 def unroute_batches() -> None:
-    if _batch_source:
-        _batch_source.pop()
-    if not _batch_source:
-        tf_trainer.TFEpochIterator._get_iterator = _original_get_iterator
+    _epochs.unroute()
 
 
 def reads_again(data_adapter: Any) -> bool:
@@ -123,7 +112,7 @@ def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
     so logs come from the first local replica and predictions are gathered in
     replica order.
     """
-    managed = any(strategy is known for known in _managed_strategies)
+    managed = strategy in _managed_strategies  # strategies compare by identity
     if reduction in ("auto", "mean") and managed:
         return keras.tree.map_structure(lambda v: _first_replica(v, strategy), values)
     if reduction == "concat" and managed and _is_multi_worker(strategy):
@@ -166,14 +155,7 @@ def manage(strategy: Any) -> Callable[[], None]:
     """Mark `strategy`'s step outputs as keras_dist's; return the undo."""
     install_multi_worker_fixes()
     _managed_strategies.append(strategy)
-
-    def unmanage() -> None:
-        for index, known in enumerate(_managed_strategies):
-            if known is strategy:
-                del _managed_strategies[index]
-                break
-
-    return unmanage
+    return lambda: _managed_strategies.remove(strategy)
 
 
 # -- variables -----------------------------------------------------------------
@@ -184,13 +166,7 @@ def all_variables(model: Any) -> list[Any]:
     if optimizer is not None:
         variables += list(optimizer.variables)
     variables += list(model.metrics_variables)
-    seen: set[int] = set()
-    unique = []
-    for variable in variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            unique.append(variable)
-    return unique
+    return list({id(v): v for v in variables}.values())
 
 
 def variables_outside(strategy: Any, model: Any) -> list[Any]:
@@ -246,16 +222,21 @@ def mirror_variables(model: Any, strategy: Any) -> None:
         recreate_in_scope(strategy, outside, getattr(model, "optimizer", None))
 
 
-def build_from(model: Any, strategy: Any, batch: Any) -> None:
-    """Build an unbuilt model, its optimizer and metrics from a batch's specs;
-    every variable ends up created by `strategy`."""
+def prepare(model: Any, strategy: Any, batch: Any) -> None:
+    """Every variable of `model` created by `strategy`, and the model, its
+    optimizer and metrics built from a batch's specs.
+
+    Variables created outside the strategy's scope are mirrored first, so the
+    optimizer slots the build creates sit next to mirrored variables.
+    """
+    mirror_variables(model, strategy)
     with strategy.scope():
         model._symbolic_build(data_batch=batch)
     mirror_variables(model, strategy)
 
 
 # -- steps ---------------------------------------------------------------------
-def _split(model: Any, batch: dict[str, Any]) -> tuple[Any, ...]:
+def _split(batch: dict[str, Any]) -> tuple[Any, ...]:
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch[DATA])
     mask = batch[MASK]
     weights = masked_row_weights(mask, sample_weight)
@@ -381,7 +362,7 @@ def _apply_summed(model: Any, gradients: list[Any], trainable: list[Any]) -> Any
 
 def make_steps(model: Any) -> dict[str, Callable]:
     def train_step(batch: Any) -> Any:
-        x, y, mask, weights, loss_weights, share = _split(model, batch)
+        x, y, mask, weights, loss_weights, share = _split(batch)
         kwargs = {"training": True} if model._call_has_training_arg else {}
         with tf.GradientTape() as tape:
             y_pred = model(x, **kwargs)
@@ -401,7 +382,7 @@ def make_steps(model: Any) -> dict[str, Callable]:
         return _global_results(model)
 
     def test_step(batch: Any) -> Any:
-        x, y, mask, weights, loss_weights, share = _split(model, batch)
+        x, y, mask, weights, loss_weights, share = _split(batch)
         kwargs = {"training": False} if model._call_has_training_arg else {}
         y_pred = model(x, **kwargs)
         loss = model._compute_loss(

@@ -7,7 +7,7 @@ the collectives and the forward pass (through DistributedDataParallel).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +20,13 @@ from keras.src.trainers.data_adapters import (
 )
 
 from keras_dist._keras_compat import (
+    EpochRouting,
     update_compiled_metrics,
     uses_keras_compute_metrics,
 )
 from keras_dist.padding import masked_row_weights
 
-_original_get_iterator = torch_trainer.TorchEpochIterator._get_iterator
-_batch_source: list[Callable[[Any], Iterator[Any]]] = []
+_epochs = EpochRouting(torch_trainer.TorchEpochIterator)
 
 
 @dataclass
@@ -70,12 +70,6 @@ def check() -> list[str]:
 
 
 # -- input batches -------------------------------------------------------------
-def _patched_get_iterator(epoch_iterator: Any) -> Any:
-    if _batch_source:
-        return _batch_source[-1](epoch_iterator.data_adapter)
-    return _original_get_iterator(epoch_iterator)
-
-
 def data_loader_of(data_adapter: Any) -> Any:
     """The torch `DataLoader` that `fit` received, or None for other input.
 
@@ -87,17 +81,13 @@ def data_loader_of(data_adapter: Any) -> Any:
     return None
 
 
-def route_batches(source: Callable[[Any], Iterator[Any]]) -> None:
-    """Feed every Keras torch epoch from `source(data_adapter)` until unrouted."""
-    torch_trainer.TorchEpochIterator._get_iterator = _patched_get_iterator
-    _batch_source.append(source)
+def route_batches(source: Callable[[Any], Any]) -> None:
+    """Feed every Keras epoch from `source(data_adapter)` until unrouted."""
+    _epochs.route(source)
 
 
 def unroute_batches() -> None:
-    if _batch_source:
-        _batch_source.pop()
-    if not _batch_source:
-        torch_trainer.TorchEpochIterator._get_iterator = _original_get_iterator
+    _epochs.unroute()
 
 
 # -- steps ---------------------------------------------------------------------
