@@ -23,7 +23,16 @@ def classification_data() -> tuple[np.ndarray, np.ndarray]:
 
 
 def classification_model(batch_norm: bool = False) -> keras.Model:
-    layers = [keras.Input((6,)), keras.layers.Dense(16, activation="relu")]
+    layers = [keras.Input((6,))]
+    if batch_norm:
+        # Statistics over rows and positions (Conv1D), then over rows (Dense).
+        layers += [
+            keras.layers.Reshape((6, 1)),
+            keras.layers.Conv1D(4, 3, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Flatten(),
+        ]
+    layers.append(keras.layers.Dense(16, activation="relu"))
     if batch_norm:
         layers.append(keras.layers.BatchNormalization())
     layers.append(keras.layers.Dense(3, activation="softmax"))
