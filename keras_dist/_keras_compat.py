@@ -7,6 +7,8 @@ moves one fails that test loudly instead of breaking users quietly.
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -194,9 +196,107 @@ def uses_keras_compute_metrics(model: Any) -> bool:
     return getattr(own, "__qualname__", "").endswith("Trainer.compute_metrics")
 
 
+class GlobalBatchNorm:
+    """BatchNormalization's training statistics over the global batch.
+
+    One device normalizes a batch with the mean and variance of all its rows.
+    Split over replicas, each would use its own share's (like torch DDP without
+    `SyncBatchNorm`, or `tf.distribute` without `synchronized=True`), and a
+    padded last batch would count its padding rows. While `install`ed, a
+    layer's `_moments` instead sums each replica's real rows (sums, sums of
+    squares, counts) with `sum_over_replicas` -- an all-reduce whose gradient is
+    the all-reduce of the gradients, or nothing where arrays are already global
+    (JAX) -- and uses Keras' formula, so N replicas match one device.
+
+    Only inside `rows(mask)`, which the keras_dist train steps enter with their
+    batch's row mask; anything else running the layer in training mode gets
+    Keras' own moments (and no collective that other replicas would not join).
+    The mask is per thread: `MirroredStrategy` runs each replica in a thread.
+    """
+
+    _current = threading.local()
+
+    @classmethod
+    @contextlib.contextmanager
+    def rows(cls, mask: Any) -> Iterator[None]:
+        cls._current.mask = mask
+        try:
+            yield
+        finally:
+            cls._current.mask = None
+
+    @classmethod
+    def install(cls, model: Any, sum_over_replicas: Callable[[Any], Any]) -> list:
+        """Returns the layers changed, for `uninstall`."""
+        layers = [
+            layer
+            for layer in model._flatten_layers(include_self=False, recursive=True)
+            if isinstance(layer, keras.layers.BatchNormalization)
+        ]
+        for layer in layers:
+            # On the instance, past Keras' attribute tracking; the class' method
+            # comes back when it is removed.
+            layer.__dict__["_moments"] = functools.partial(
+                cls._moments, layer, sum_over_replicas
+            )
+        return layers
+
+    @staticmethod
+    def uninstall(layers: list) -> None:
+        for layer in layers:
+            layer.__dict__.pop("_moments", None)
+
+    @classmethod
+    def _moments(
+        cls, layer: Any, sum_over_replicas: Callable, inputs: Any, mask: Any
+    ) -> tuple[Any, Any]:
+        rows = getattr(cls._current, "mask", None)
+        if rows is None:
+            return type(layer)._moments(layer, inputs, mask)
+        ops = keras.ops
+        axes = tuple(layer._reduction_axes)
+        batch, share = inputs.shape[0], rows.shape[0]
+        rows = ops.cast(rows, inputs.dtype)
+        if batch is not None and share is not None and batch != share:
+            if batch % share:
+                raise NotImplementedError(
+                    f"BatchNormalization layer {layer.name!r} gets inputs of shape "
+                    f"{tuple(inputs.shape)}, whose first axis is not the batch's "
+                    f"{share} rows (or a multiple, as TimeDistributed makes), so "
+                    "keras_dist cannot normalize it over the global batch."
+                )
+            rows = ops.repeat(rows, batch // share)  # TimeDistributed: row-major
+        weight = ops.reshape(rows, (-1,) + (1,) * (len(inputs.shape) - 1))
+        if mask is not None:
+            weight = weight * ops.expand_dims(ops.cast(mask, inputs.dtype), -1)
+        weight = ops.broadcast_to(weight, ops.shape(inputs))
+        total = sum_over_replicas(
+            ops.stack(
+                [
+                    ops.sum(inputs * weight, axes, keepdims=True),
+                    ops.sum(ops.square(inputs) * weight, axes, keepdims=True),
+                    ops.sum(weight, axes, keepdims=True),
+                ]
+            )
+        )
+        count = ops.maximum(total[2], 1.0)
+        mean = total[0] / count
+        variance = total[1] / count - ops.square(mean)
+        return ops.squeeze(mean, axes), ops.squeeze(variance, axes)
+
+
 def check() -> list[str]:
     """Names of the Keras details this release no longer matches."""
     missing = []
+    model = keras.Sequential([keras.layers.BatchNormalization()])
+    if not hasattr(model, "_flatten_layers"):
+        missing.append("Layer._flatten_layers")
+    batch_norm = model.layers[0]
+    if not callable(getattr(batch_norm, "_moments", None)):
+        missing.append("BatchNormalization._moments")
+    batch_norm.build((None, 3))
+    if list(getattr(batch_norm, "_reduction_axes", None) or []) != [0]:
+        missing.append("BatchNormalization._reduction_axes")
     if KerasDistribution.__name__ != "Distribution" or not issubclass(
         keras.distribution.ModelParallel, KerasDistribution
     ):

@@ -44,6 +44,25 @@ def sequential() -> keras.Model:
     return compile_model(keras.Sequential(layers()))
 
 
+def batch_norm_sequential() -> keras.Model:
+    """BatchNormalization over rows and positions (Conv1D), then over rows."""
+    keras.utils.set_random_seed(1)
+    return compile_model(
+        keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Reshape((6, 1)),
+                keras.layers.Conv1D(4, 3, activation="relu"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dense(3, activation="softmax"),
+            ]
+        )
+    )
+
+
 class FunctionalTrainer(kd.Trainer, keras.Model):
     pass
 

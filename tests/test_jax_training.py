@@ -241,3 +241,15 @@ def test_fit_in_a_loop_reuses_the_compiled_step_until_compile_changes_it():
         callbacks=[kd.DistributeCallback(other)],
     )
     assert len(model.get_layer("hidden").kernel.value.sharding.device_set) == 4
+
+
+def test_batch_norm_normalizes_over_the_global_batch_without_padding():
+    """Statistics over all real rows of each global batch, as on one device;
+    the last batch is padded to the devices and the padding left out."""
+    reference_model = parity.batch_norm_sequential()
+    reference = _fit_evaluate_predict(reference_model, lambda: [], epochs=2)
+    model = parity.batch_norm_sequential()
+    result = _fit_evaluate_predict(
+        model, lambda: [kd.DistributeCallback(kd.DataParallel())], epochs=2
+    )
+    parity.assert_same_training(reference, result, reference_model, model)

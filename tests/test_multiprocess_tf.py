@@ -38,7 +38,8 @@ def one_process(tmp_path_factory):
 
 def test_two_workers_train_like_one_process(two_workers, one_process):
     """Ranks started from different seeds and built the model outside the
-    scope; 45 weighted samples in batches of 12 (the last one padded)."""
+    scope; 45 weighted samples in batches of 12 (the last one padded); two
+    BatchNormalization layers normalize over both workers' real rows."""
     results, _ = two_workers
     assert [r["processes"] for r in results] == [2, 2]
     assert [r["devices"] for r in results] == [["cpu:0", "cpu:1"]] * 2

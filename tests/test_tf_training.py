@@ -266,3 +266,15 @@ def test_keras_alone_ignores_a_data_parallel_distribution():
     model.fit(*parity.data(), batch_size=BATCH, verbose=0)
     assert _replicas(model.get_layer("hidden").kernel) == 1
     assert model.distribute_strategy.num_replicas_in_sync == 1
+
+
+def test_batch_norm_normalizes_over_the_global_batch_without_padding():
+    """Statistics over all real rows of each global batch, as on one device;
+    the last batch is padded to the devices and the padding left out."""
+    reference_model = parity.batch_norm_sequential()
+    reference = _fit_evaluate_predict(reference_model, lambda: [], epochs=2)
+    model = parity.batch_norm_sequential()
+    result = _fit_evaluate_predict(
+        model, lambda: [kd.DistributeCallback(_distribution())], epochs=2
+    )
+    parity.assert_same_training(reference, result, reference_model, model)

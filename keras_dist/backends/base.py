@@ -22,6 +22,11 @@ class BackendAdapter(abc.ABC):
     #: The Keras backend name this adapter serves (`keras.backend.backend()`).
     name: str = ""
 
+    def __init__(self) -> None:
+        # id(model) -> its BatchNormalization layers that normalize over the
+        # global batch while a call runs (`_keras_compat.GlobalBatchNorm`).
+        self._batch_norms: dict[int, list[Any]] = {}
+
     # -- devices and processes -------------------------------------------------
     @abc.abstractmethod
     def simulate_cpu_devices(self, count: int) -> None:

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from keras_dist._keras_compat import GlobalBatchNorm
 from keras_dist.backends import jax_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.jax_input_adapter import (
@@ -160,8 +161,12 @@ class JaxAdapter(BackendAdapter):
 
         internals.route_batches(batches_for_epoch)
         internals.install_steps(model, distribution, trim_outputs, jax.value_and_grad)
+        # BatchNormalization statistics over the real rows of the global batch;
+        # the step's arrays are global already, so nothing needs summing.
+        self._batch_norms[id(model)] = GlobalBatchNorm.install(model, lambda x: x)
 
     def deactivate(self, model: Any) -> None:
+        GlobalBatchNorm.uninstall(self._batch_norms.pop(id(model), []))
         internals.remove_steps(model)
         internals.unroute_batches()
 

@@ -19,6 +19,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dist._keras_compat import (
     COMPILED_FUNCTIONS,
+    GlobalBatchNorm,
     update_compiled_metrics,
     uses_keras_compute_metrics,
 )
@@ -190,16 +191,17 @@ def masked_train_step(
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, weights, loss_weights, real_rows, mask = _split(batch)
     grad_fn = value_and_grad(model.compute_loss_and_updates, has_aux=True)
-    (_, aux), grads = grad_fn(
-        trainable,
-        non_trainable,
-        metrics_variables,
-        x,
-        y,
-        loss_weights,
-        training=True,
-        optimizer_variables=optimizer_variables,
-    )
+    with GlobalBatchNorm.rows(mask):
+        (_, aux), grads = grad_fn(
+            trainable,
+            non_trainable,
+            metrics_variables,
+            x,
+            y,
+            loss_weights,
+            training=True,
+            optimizer_variables=optimizer_variables,
+        )
     loss, y_pred, non_trainable, metrics_variables = aux
     trainable, optimizer_variables = model.optimizer.stateless_apply(
         optimizer_variables, grads, trainable

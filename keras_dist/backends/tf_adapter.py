@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _rendezvous
-from keras_dist._keras_compat import install_steps, remove_steps
+from keras_dist._keras_compat import GlobalBatchNorm, install_steps, remove_steps
 from keras_dist.backends import tf_input_adapter as inputs
 from keras_dist.backends import tf_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
@@ -53,6 +53,7 @@ class TensorFlowAdapter(BackendAdapter):
     name = "tensorflow"
 
     def __init__(self) -> None:
+        super().__init__()
         self._mirrored: dict[tuple[str, ...], Any] = {}
         self._multi_worker: Any = None
         self._worker_index = 0
@@ -300,6 +301,10 @@ class TensorFlowAdapter(BackendAdapter):
         undo.append(
             internals.fuse_gradient_all_reduce(getattr(model, "optimizer", None))
         )
+        # BatchNormalization statistics over the real rows of the global
+        # batch: each replica's sums are added in one all-reduce.
+        batch_norms = GlobalBatchNorm.install(model, _sum_over_replicas)
+        undo.append(lambda: GlobalBatchNorm.uninstall(batch_norms))
         internals.route_batches(batches_for_epoch)
         install_steps(model, internals.make_steps(model))
         self._runs[id(model)] = undo
@@ -309,6 +314,12 @@ class TensorFlowAdapter(BackendAdapter):
         internals.unroute_batches()
         for undo in self._runs.pop(id(model), []):
             undo()
+
+
+def _sum_over_replicas(value: Any) -> Any:
+    """All-reduce in the replica step; its gradient is the gradients' sum."""
+    context = tf.distribute.get_replica_context()
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
 
 
 ADAPTER = TensorFlowAdapter()

@@ -22,6 +22,7 @@ from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
 from keras_dist._keras_compat import (
     EpochRouting,
+    GlobalBatchNorm,
     update_compiled_metrics,
     uses_keras_compute_metrics,
 )
@@ -365,7 +366,8 @@ def make_steps(model: Any) -> dict[str, Callable]:
         x, y, mask, weights, loss_weights, share = _split(batch)
         kwargs = {"training": True} if model._call_has_training_arg else {}
         with tf.GradientTape() as tape:
-            y_pred = model(x, **kwargs)
+            with GlobalBatchNorm.rows(mask):
+                y_pred = model(x, **kwargs)
             loss = model._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True
             )

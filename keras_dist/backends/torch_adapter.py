@@ -21,7 +21,7 @@ import torch.distributed as torch_distributed
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.nn.parallel import DistributedDataParallel
 
-from keras_dist._keras_compat import install_steps, remove_steps
+from keras_dist._keras_compat import GlobalBatchNorm, install_steps, remove_steps
 from keras_dist.backends import torch_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.torch_input_adapter import (
@@ -49,10 +49,6 @@ def _accelerator_type() -> str | None:
 
 class TorchAdapter(BackendAdapter):
     name = "torch"
-
-    def __init__(self) -> None:
-        # id(model) -> its BatchNormalization layers synchronized for the run.
-        self._synchronized: dict[int, list[Any]] = {}
 
     def simulate_cpu_devices(self, count: int) -> None:
         if count != 1:
@@ -177,7 +173,6 @@ class TorchAdapter(BackendAdapter):
             gather_from_processes=gather_from_processes,
             forward=forward,
             no_grad=torch.no_grad,
-            differentiable_sum=differentiable_all_reduce,
         )
 
     def _broadcast_from_process_zero(self, model: Any) -> None:
@@ -259,12 +254,12 @@ class TorchAdapter(BackendAdapter):
         install_steps(model, internals.make_steps(model, collectives))
         if world_size > 1:
             # BatchNormalization normalizes over the global batch (SyncBatchNorm).
-            self._synchronized[id(model)] = internals.synchronize_batch_norm(
-                model, collectives
+            self._batch_norms[id(model)] = GlobalBatchNorm.install(
+                model, differentiable_all_reduce
             )
 
     def deactivate(self, model: Any) -> None:
-        internals.unsynchronize_batch_norm(self._synchronized.pop(id(model), []))
+        GlobalBatchNorm.uninstall(self._batch_norms.pop(id(model), []))
         remove_steps(model)
         internals.unroute_batches()
 

@@ -7,7 +7,6 @@ the collectives and the forward pass (through DistributedDataParallel).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from keras.src.trainers.data_adapters import (
 
 from keras_dist._keras_compat import (
     EpochRouting,
+    GlobalBatchNorm,
     update_compiled_metrics,
     uses_keras_compute_metrics,
 )
@@ -40,8 +40,6 @@ class Collectives:
     gather_from_processes: Callable[[Any], Any]  # rows of every process, in rank order
     forward: Callable[..., Any]  # the model's forward through DDP
     no_grad: Callable[[], Any]
-    # Sums a tensor over processes, with the sum's gradient in backward.
-    differentiable_sum: Callable[[Any], Any] = lambda tensor: tensor
 
 
 def check() -> list[str]:
@@ -69,14 +67,6 @@ def check() -> list[str]:
     metric = keras.metrics.Mean()
     if any(not hasattr(v, "aggregation") for v in metric.variables):
         missing.append("Variable.aggregation")
-    if not hasattr(model, "_flatten_layers"):
-        missing.append("Layer._flatten_layers")
-    batch_norm = keras.layers.BatchNormalization()
-    if not callable(getattr(batch_norm, "_moments", None)):
-        missing.append("BatchNormalization._moments")
-    batch_norm.build((None, 3))
-    if list(getattr(batch_norm, "_reduction_axes", None) or []) != [0]:
-        missing.append("BatchNormalization._reduction_axes")
     return missing
 
 
@@ -99,80 +89,6 @@ def route_batches(source: Callable[[Any], Any]) -> None:
 
 def unroute_batches() -> None:
     _epochs.unroute()
-
-
-# -- BatchNormalization over the global batch --------------------------------
-class _GlobalBatchRows:
-    """The row mask of the batch share a train step is running, else None."""
-
-    mask: Any = None
-
-
-def _global_moments(layer: Any, sum_over_processes: Callable, inputs: Any, mask: Any):
-    """BatchNormalization's `_moments` over the real rows of the global batch.
-
-    Used by the train step only (`_GlobalBatchRows.mask` is set); anything else
-    that runs the layer in training mode gets Keras' own per-process moments.
-    Sums, sums of squares and counts of the real rows (padding masked out) are
-    added over processes in one all-reduce whose backward sums the gradients,
-    as torch's `SyncBatchNorm` does; mean and variance then follow Keras' torch
-    formula (E[x^2] - E[x]^2), so N processes match one device.
-    """
-    rows = _GlobalBatchRows.mask
-    if rows is None:
-        return type(layer)._moments(layer, inputs, mask)
-    axes = tuple(layer._reduction_axes)
-    weight = ops.ones((1,) * len(inputs.shape), inputs.dtype)
-    if inputs.shape[0] == rows.shape[0]:
-        rows = ops.cast(rows, inputs.dtype)
-        weight = ops.reshape(rows, (-1,) + (1,) * (len(inputs.shape) - 1))
-    elif not bool(ops.all(rows > 0)):
-        raise NotImplementedError(
-            f"BatchNormalization layer {layer.name!r} sees inputs of shape "
-            f"{tuple(inputs.shape)} whose first axis is not the batch share's "
-            f"{rows.shape[0]} rows, so keras_dist cannot leave the padding rows "
-            "of this uneven last batch out of its statistics. Use a dataset size "
-            "that divides the global batch (or drop the remainder)."
-        )
-    if mask is not None:
-        weight = weight * ops.expand_dims(ops.cast(mask, inputs.dtype), -1)
-    weight = ops.broadcast_to(weight, ops.shape(inputs))
-    local = ops.stack(
-        [
-            ops.sum(inputs * weight, axes, keepdims=True),
-            ops.sum(ops.square(inputs) * weight, axes, keepdims=True),
-            ops.sum(weight, axes, keepdims=True),
-        ]
-    )
-    total = sum_over_processes(local)
-    count = ops.maximum(total[2], 1.0)
-    mean = total[0] / count
-    variance = total[1] / count - ops.square(mean)
-    return ops.squeeze(mean, axes), ops.squeeze(variance, axes)
-
-
-def synchronize_batch_norm(model: Any, collectives: Collectives) -> list[Any]:
-    """Train steps normalize each BatchNormalization layer over the global batch.
-
-    Returns the layers changed, for `unsynchronize_batch_norm`.
-    """
-    layers = [
-        layer
-        for layer in model._flatten_layers(include_self=False, recursive=True)
-        if isinstance(layer, keras.layers.BatchNormalization)
-    ]
-    for layer in layers:
-        # On the instance, past Keras' attribute tracking; the class' method
-        # comes back when it is removed.
-        layer.__dict__["_moments"] = functools.partial(
-            _global_moments, layer, collectives.differentiable_sum
-        )
-    return layers
-
-
-def unsynchronize_batch_norm(layers: list[Any]) -> None:
-    for layer in layers:
-        layer.__dict__.pop("_moments", None)
 
 
 # -- steps ---------------------------------------------------------------------
@@ -276,11 +192,8 @@ def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
     def train_step(batch: Any) -> Any:
         x, y, mask, weights, loss_weights = _weights(batch)
         kwargs = {"training": True} if model._call_has_training_arg else {}
-        _GlobalBatchRows.mask = mask
-        try:
+        with GlobalBatchNorm.rows(mask):
             y_pred = collectives.forward(x, **kwargs)
-        finally:
-            _GlobalBatchRows.mask = None
         model.zero_grad()
         loss = model._compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True

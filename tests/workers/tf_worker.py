@@ -105,8 +105,11 @@ def keras_20585() -> dict:
 def main() -> None:
     output = pathlib.Path(sys.argv[2])
     if SCENARIO == "train":
-        # Weighted samples; built outside the scope: mirrored when fit starts.
-        result = scenarios.train(sample_weights=True, shuffle=False, verbose=2)
+        # Weighted samples; built outside the scope: mirrored when fit starts;
+        # BatchNormalization over both workers' rows.
+        result = scenarios.train(
+            batch_norm=True, sample_weights=True, shuffle=False, verbose=2
+        )
     elif SCENARIO == "ids":
         result = {"ids": seen_ids()}
     elif SCENARIO == "keras_20585":
