@@ -157,20 +157,60 @@ def test_model_parallel_callback_refuses_to_run():
 
 
 @pytest.mark.backend("torch")
-def test_torch_refuses_sharded_variables_naming_them():
-    mesh = kd.DeviceMesh((1, 1), ["batch", "model"], kd.list_devices()[:1])
+def test_torch_sharding_over_more_devices_than_processes_is_refused():
+    mesh = kd.DeviceMesh((1, 2), ["batch", "model"], ["cpu:0", "cpu:1"])
     layout_map = kd.LayoutMap(mesh)
     layout_map["dense.*kernel"] = (None, "model")
     callback = kd.DistributeCallback(kd.ModelParallel(layout_map=layout_map))
     model = tiny_model()
     weights = [w.copy() for w in model.get_weights()]
-    with pytest.raises(
-        NotImplementedError, match=r"/dense(_\d+)?/kernel' as \(None, 'model'\)"
-    ):
+    with pytest.raises(ValueError, match=r"shape \(1, 2\).*needs 2 processes.*has 1"):
         model.fit(*tiny_data(), batch_size=4, verbose=0, callbacks=[callback])
     for before, after in zip(weights, model.get_weights(), strict=True):
         np.testing.assert_array_equal(before, after)
     assert kd.distribution() is None
+
+
+@pytest.mark.backend("torch")
+def test_torch_layouts_become_dtensor_placements():
+    from torch.distributed.tensor import Replicate, Shard
+
+    from keras_dist.backends.torch_dtensor import placements
+
+    names = ["batch", "model"]
+    assert placements((None, "model"), names) == (Replicate(), Shard(1))
+    assert placements(("model", None), names) == (Replicate(), Shard(0))
+    assert placements(("model",), names) == (Replicate(), Shard(0))
+    assert placements(("batch", None), names) == (Shard(0), Replicate())
+    assert placements(("model", "batch"), names) == (Shard(1), Shard(0))
+    assert placements((None, None), names) == (Replicate(), Replicate())
+    assert placements((), names) == (Replicate(), Replicate())
+    with pytest.raises(ValueError, match=r"\['data'\] are not axes of the mesh"):
+        placements(("data", None), names)
+
+
+@pytest.mark.backend("torch")
+def test_torch_meshes_need_one_device_per_process():
+    from keras_dist.backends.torch_dtensor import mesh_ranks
+
+    mesh = kd.DeviceMesh((1, 2), ["batch", "model"], ["cpu:1", "cpu:0"])
+    assert mesh_ranks(mesh, 2).tolist() == [[1, 0]]
+    with pytest.raises(ValueError, match=r"shape \(1, 2\).*this job has 4"):
+        mesh_ranks(mesh, 4)
+    with pytest.raises(ValueError, match=r"device of every process once.*cpu:2"):
+        mesh_ranks(kd.DeviceMesh((2,), ["model"], ["cpu:0", "cpu:2"]), 2)
+
+
+@pytest.mark.backend("torch")
+def test_torch_sharding_with_per_process_data_is_refused():
+    from keras_dist.backends.torch_dtensor import check_batch_axis
+
+    devices = [f"cpu:{i}" for i in range(4)]
+    mesh = kd.DeviceMesh((2, 2), ["batch", "model"], devices)
+    check_batch_axis(kd.ModelParallel(layout_map=kd.LayoutMap(mesh)))
+    own_data = kd.ModelParallel(layout_map=kd.LayoutMap(mesh), auto_shard_dataset=False)
+    with pytest.raises(ValueError, match="auto_shard_dataset=False.*'batch' of size 2"):
+        check_batch_axis(own_data)
 
 
 @pytest.mark.backend("torch")
@@ -218,7 +258,25 @@ def test_torch_data_parallel_in_one_process_trains_like_keras(route):
     assert "train_step" not in model.__dict__
 
 
-@pytest.mark.backend("torch", "tensorflow")
+@pytest.mark.backend("torch")
+def test_torch_layouts_are_dtensor_placements_on_a_torch_mesh():
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = kd.DeviceMesh((1, 1), ["batch", "model"], kd.list_devices()[:1])
+    assert isinstance(mesh.backend_mesh, DeviceMesh)
+    assert mesh.backend_mesh.mesh_dim_names == ("batch", "model")
+    layout = kd.TensorLayout((None, "model"), mesh)
+    assert layout.backend_layout == (Replicate(), Shard(1))
+    value = np.arange(6, dtype="float32").reshape(2, 3)
+    tensor = kd.distribute_tensor(value, layout)
+    assert isinstance(tensor, DTensor) and tensor.placements == (Replicate(), Shard(1))
+    np.testing.assert_array_equal(tensor.full_tensor().numpy(), value)
+    moved = kd.distribute_tensor(tensor, kd.TensorLayout(("batch", None), mesh))
+    assert moved.placements == (Shard(0), Replicate())
+
+
+@pytest.mark.backend("tensorflow")
 def test_backend_layouts_not_implemented():
     mesh = kd.DeviceMesh((1,), ["batch"], kd.list_devices()[:1])
     layout = kd.TensorLayout(("batch",), mesh)

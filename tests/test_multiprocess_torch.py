@@ -276,3 +276,135 @@ def TORCH_ENV() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("KERAS_DIST")}
+
+
+# -- ModelParallel through DTensor ---------------------------------------------
+@pytest.fixture(scope="module")
+def model_parallel(tmp_path_factory):
+    """A (1, 2) mesh, the Dense kernels and the first bias sharded on "model";
+    ranks started from different seeds; 45 samples in batches of 12; and the
+    same fit in one process with nothing sharded."""
+    output_dir = tmp_path_factory.mktemp("torch_model_parallel")
+    results = run_job(
+        "torch_worker.py",
+        ["model_parallel"],
+        processes=2,
+        env=TORCH,
+        output_dir=output_dir / "two",
+    )
+    (reference,) = run_job(
+        "torch_worker.py",
+        ["model_parallel_reference"],
+        processes=1,
+        env=TORCH,
+        output_dir=output_dir / "one",
+    )
+    return results, reference
+
+
+def test_model_parallel_trains_like_one_process(model_parallel):
+    results, reference = model_parallel
+    for result in results:
+        for ours, expected in zip(result["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
+        for key, values in reference["history"].items():
+            np.testing.assert_allclose(result["history"][key], values, atol=1e-5)
+        for key, value in reference["evaluation"].items():
+            np.testing.assert_allclose(result["evaluation"][key], value, atol=1e-5)
+        assert len(result["predictions"]) == 45
+        np.testing.assert_allclose(
+            result["predictions"], reference["predictions"], atol=1e-5
+        )
+    assert results[0]["history"] == results[1]["history"]
+    # A batch axis of size 1: every process computes on whole batches.
+    assert [r["input_rows"] for r in results] == [[12, 12]] * 2
+    assert [r["distributed_columns"] for r in results] == [
+        [[0, 1], [4, 5]],
+        [[2, 3], [6, 7]],
+    ]
+
+
+def test_model_parallel_each_process_holds_half_of_each_sharded_variable(
+    model_parallel,
+):
+    results, reference = model_parallel
+    halves = {
+        "dense/kernel": ([6, 8], ["R", "S(1)"]),
+        "dense/bias": ([8], ["R", "S(0)"]),
+        "dense_1/kernel": ([8, 3], ["R", "S(0)"]),
+        "dense_1/bias": ([3], ["R", "R"]),  # not in the LayoutMap: replicated
+    }
+    for result in results:
+        held = result["held_in_fit"]
+        for path, (kind, shape, placements) in held.items():
+            owner = next(
+                (k for k in halves if f"_{k.replace('/', '_')}_" in path), None
+            )
+            if path.startswith("sequential/"):
+                assert (kind, [shape, placements]) == (
+                    "DTensor",
+                    list(halves[path.removeprefix("sequential/")]),
+                ), path
+            elif owner is not None:  # Adam's moments follow their variable
+                assert (kind, [shape, placements]) == ("DTensor", list(halves[owner]))
+            else:  # the iteration count and the learning rate
+                assert kind == "Parameter" and shape == [], path
+        assert sum(path.startswith("adam/") for path in held) == 10
+        # get_weights() inside fit gathers full values; after fit the model is
+        # an ordinary one holding full tensors.
+        assert result["weight_shapes_in_fit"] == [[6, 16], [16], [16, 3], [3]]
+        assert {kind for kind, _, _ in result["held_after"].values()} == {"Parameter"}
+        np.testing.assert_allclose(
+            result["plain_predictions"], reference["predictions"], atol=1e-5
+        )
+    assert {kind for kind, _, _ in reference["held_in_fit"].values()} == {"Parameter"}
+
+
+def test_model_parallel_on_a_2x2_mesh_splits_rows_and_shards_variables(
+    model_parallel, tmp_path
+):
+    """4 processes: rows split along "batch" (2 ways), the same variables sharded
+    along "model" (2 ways) as on the (1, 2) mesh; the same training."""
+    _, reference = model_parallel
+    results = run_job(
+        "torch_worker.py",
+        ["model_parallel_2x2"],
+        processes=4,
+        env=TORCH,
+        output_dir=tmp_path,
+    )
+    for result in results:
+        for ours, expected in zip(result["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
+        for key, values in reference["history"].items():
+            np.testing.assert_allclose(result["history"][key], values, atol=1e-5)
+        np.testing.assert_allclose(
+            result["predictions"], reference["predictions"], atol=1e-5
+        )
+        held = result["held_in_fit"]
+        assert held["sequential/dense/kernel"] == ["DTensor", [6, 8], ["R", "S(1)"]]
+        assert held["sequential/dense_1/kernel"] == ["DTensor", [8, 3], ["R", "S(0)"]]
+        # The rows of a global batch of 12 were split 6 + 6 along "batch".
+        assert result["input_rows"] == [6, 6]
+
+
+def test_model_parallel_names_the_op_and_layer_dtensor_cannot_run(tmp_path):
+    """A Conv2D sharded on its output channels fails in this torch release."""
+    results = run_job(
+        "torch_worker.py",
+        ["model_parallel_unsupported_op"],
+        processes=2,
+        env=TORCH,
+        output_dir=tmp_path,
+    )
+    for result in results:
+        with_bias, kernel_only = result["kernel_and_bias"], result["kernel_only"]
+        assert (
+            "could not run aten.add.Tensor in layer 'sequential/conv'"
+            in (with_bias["error"])
+        )
+        assert "torch.add" in kernel_only["error"]
+        assert "in layer 'sequential_1/conv' (Conv2D)" in kernel_only["error"]
+        for case in (with_bias, kernel_only):
+            assert "Shard(dim=3)" in case["error"]
+            assert case["works_after"] and case["kinds_after"] == ["Parameter"]

@@ -3,9 +3,17 @@
 `DataParallel` trains through torch's own `DistributedDataParallel` inside
 Keras' `fit`. A torch `DataLoader` is split between processes the way
 `DistributedSampler` splits a dataset, epoch set automatically: each process
-loads only its own rows of each global batch (`ShardedLoader`). Sharded
-variables (`ModelParallel` layouts, through DTensor) are not implemented yet:
-they raise `NotImplementedError` rather than train replicated silently.
+loads only its own rows of each global batch (`ShardedLoader`).
+
+`ModelParallel` layouts that shard variables run through DTensor
+(`torch_dtensor`): for the call, every weight and its optimizer slots become
+DTensors on a torch mesh of the keras_dist mesh's shape (one device per
+process), sharded where the `LayoutMap` says; every process reads the whole
+global batch and computes on its rows along the batch axis (all of them when
+that axis has size 1). No DDP is involved: DTensor brings the collectives, and
+the outputs are gathered before loss and metrics, which are global as they are.
+When the call ends the variables are gathered back into plain full tensors. A
+layout that shards nothing (its axes have size 1) takes the replicated path.
 """
 
 from __future__ import annotations
@@ -32,10 +40,16 @@ from keras_dist.backends.torch_input_adapter import (
 )
 from keras_dist.padding import check_same_input
 
-_NOT_YET = (
-    "{what} is not implemented yet for the PyTorch backend in keras_dist; "
-    "DataParallel (replicated variables) works, and KERAS_BACKEND=jax has the rest."
-)
+# id(model) -> its variables sharded as DTensors for the run (ModelParallel).
+_sharded_runs: dict[int, Any] = {}
+
+
+def _dtensor() -> Any:
+    """keras_dist's DTensor module, imported only when a layout names a mesh
+    axis: `torch.distributed.tensor` adds about a second to every start."""
+    from keras_dist.backends import torch_dtensor  # noqa: PLC0415
+
+    return torch_dtensor
 
 
 def _destroy_process_group() -> None:
@@ -111,13 +125,29 @@ class TorchAdapter(BackendAdapter):
         atexit.register(_destroy_process_group)
 
     def to_backend_mesh(self, device_mesh: Any) -> Any:
-        raise NotImplementedError(_NOT_YET.format(what="DeviceMesh.backend_mesh"))
+        """A `torch.distributed.device_mesh.DeviceMesh` (one device per process)."""
+        return _dtensor().torch_mesh(device_mesh)
 
     def to_backend_layout(self, tensor_layout: Any) -> Any:
-        raise NotImplementedError(_NOT_YET.format(what="TensorLayout.backend_layout"))
+        """The layout's DTensor placements, one per mesh axis."""
+        if tensor_layout.device_mesh is None:
+            raise ValueError(
+                "A TensorLayout needs a device mesh for its backend layout; build "
+                f"it with `device_mesh=`. Received: {tensor_layout}"
+            )
+        return _dtensor().placements(
+            tensor_layout.axes, tensor_layout.device_mesh.axis_names
+        )
 
     def distribute_tensor(self, tensor: Any, tensor_layout: Any) -> Any:
-        raise NotImplementedError(_NOT_YET.format(what="distribute_tensor"))
+        """A DTensor laid out as `tensor_layout` says (torch's own semantics: a
+        plain tensor is process 0's value, a DTensor is redistributed)."""
+        return _dtensor().distribute(
+            tensor,
+            tensor_layout.device_mesh.backend_mesh,
+            tensor_layout.backend_layout,
+            self._device(),
+        )
 
     # -- training --------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -125,17 +155,18 @@ class TorchAdapter(BackendAdapter):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _check_layouts(self, model: Any, distribution: Any) -> None:
-        for variable in model.variables:
-            layout = distribution.layout_for_variable(variable)
-            if any(axis is not None for axis in layout.axes):
-                raise NotImplementedError(
-                    _NOT_YET.format(
-                        what=f"Sharding variables (here {variable.path!r} as "
-                        f"{layout.axes}, through DTensor)"
-                    )
-                )
+    def _check_layouts(self, model: Any, distribution: Any) -> bool:
+        """Whether the layouts shard variables (the DTensor path); raises for
+        what cannot run."""
         world_size, _ = self._world()
+        layouts = [distribution.layout_for_variable(v) for v in model.variables]
+        if any(axis is not None for layout in layouts for axis in layout.axes):
+            dtensor = _dtensor()
+            if any(dtensor.is_sharded(layout) for layout in layouts):
+                # One device per process: the mesh must have one per process.
+                dtensor.mesh_ranks(distribution.device_mesh, world_size)
+                dtensor.check_batch_axis(distribution)
+                return True
         if distribution.num_model_replicas != world_size:
             raise ValueError(
                 "On PyTorch each process drives one device, so a DataParallel over "
@@ -144,6 +175,7 @@ class TorchAdapter(BackendAdapter):
                 f"{distribution.num_model_replicas}`). Received: {world_size} "
                 "process(es)"
             )
+        return False
 
     def _collectives(self, model: Any) -> internals.Collectives:
         world_size, _ = self._world()
@@ -194,11 +226,20 @@ class TorchAdapter(BackendAdapter):
         check_same_input([int(t.item()) for t in everyone])
 
     def activate(self, model: Any, distribution: Any) -> None:
-        self._check_layouts(model, distribution)
+        dtensors = self._check_layouts(model, distribution)
         world_size, rank = self._world()
-        if world_size > 1:
-            self._broadcast_from_process_zero(model)
-        collectives = self._collectives(model)
+        if dtensors:
+            # Variables become DTensors (process 0's values); every process
+            # computes on each whole global batch: one replica, data not split.
+            run = _dtensor().ShardedRun(model, distribution).start()
+            _sharded_runs[id(model)] = run
+            collectives = _dtensor().collectives(model)
+            replicas, replica = 1, 0
+        else:
+            if world_size > 1:
+                self._broadcast_from_process_zero(model)
+            collectives = self._collectives(model)
+            replicas, replica = world_size, rank
         # The same shuffle on every process: process 0's draw seeds the stream.
         seed = torch.tensor([np.random.randint(0, 2**31 - 1)], dtype=torch.int64)
         if world_size > 1:
@@ -227,7 +268,9 @@ class TorchAdapter(BackendAdapter):
                     gather_sizes=gather_sizes,
                 )
             loader = internals.data_loader_of(data_adapter)
-            if loader is not None:
+            # Sharded variables: every process reads the whole batches (and the
+            # first one is checked to be the same everywhere).
+            if loader is not None and not dtensors:
                 if data_adapter not in sharded:
                     # Keras asks for each epoch's iterator at the same point on
                     # every process, so this collective is reached by all.
@@ -243,16 +286,19 @@ class TorchAdapter(BackendAdapter):
                     return sharded[data_adapter].epoch()
             return RankBatches(
                 data_adapter.get_numpy_iterator(),
-                world_size=world_size,
-                rank=rank,
+                world_size=replicas,
+                rank=replica,
                 device=device,
                 shuffle_stream=shuffle_stream,
                 check_same_input=self._check_same_input if world_size > 1 else None,
             )
 
         internals.route_batches(batches_for_epoch)
-        install_steps(model, internals.make_steps(model, collectives))
-        if world_size > 1:
+        steps = internals.make_steps(model, collectives)
+        if dtensors:
+            steps = _sharded_runs[id(model)].wrap_steps(steps)
+        install_steps(model, steps)
+        if replicas > 1:
             # BatchNormalization normalizes over the global batch (SyncBatchNorm).
             self._batch_norms[id(model)] = GlobalBatchNorm.install(
                 model, differentiable_all_reduce
@@ -262,6 +308,10 @@ class TorchAdapter(BackendAdapter):
         GlobalBatchNorm.uninstall(self._batch_norms.pop(id(model), []))
         remove_steps(model)
         internals.unroute_batches()
+        run = _sharded_runs.pop(id(model), None)
+        if run is not None:
+            # Back to plain, full tensors: an ordinary Keras model again.
+            run.stop()
 
 
 ADAPTER = TorchAdapter()

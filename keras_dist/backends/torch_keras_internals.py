@@ -13,6 +13,7 @@ from typing import Any
 
 import keras
 from keras import ops
+from keras.src.backend.torch import core as torch_core
 from keras.src.backend.torch import trainer as torch_trainer
 from keras.src.trainers.data_adapters import (
     data_adapter_utils,
@@ -67,6 +68,7 @@ def check() -> list[str]:
     metric = keras.metrics.Mean()
     if any(not hasattr(v, "aggregation") for v in metric.variables):
         missing.append("Variable.aggregation")
+    missing += _check_variable_storage()
     return missing
 
 
@@ -257,3 +259,72 @@ def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
         "predict_step": predict_step,
         "get_metrics_result": get_metrics_result,
     }
+
+
+# -- variables held as DTensors (ModelParallel) ----------------------------------
+def variable_storage(variable: Any) -> Any:
+    """The torch `Parameter` a Keras variable holds (`Variable._value`)."""
+    return variable._value
+
+
+def set_variable_storage(variable: Any, parameter: Any) -> None:
+    """Make a Keras variable hold `parameter` (a torch `Parameter`) from now on.
+
+    Call `retrack_parameters` afterwards: layers list their variables' old
+    parameters until then.
+    """
+    variable._value = parameter
+
+
+def layers_of(model: Any) -> list[Any]:
+    """`model` and every layer in it, nested ones included."""
+    return list(model._flatten_layers(include_self=True, recursive=True))
+
+
+def retrack_parameters(model: Any) -> None:
+    """Point each layer's torch parameters (`model.parameters()`, what
+    `zero_grad` clears) at its variables' current values."""
+    for layer in layers_of(model):
+        if hasattr(layer, "_torch_params"):
+            layer._track_variables()
+
+
+def convert_variables_to_numpy_via(convert: Callable[[Any], Any]) -> Callable:
+    """Make `np.asarray(variable)` (`get_weights`, saving) convert each torch
+    variable's value with `convert` first, e.g. gather a DTensor; return the
+    function that restores Keras' own conversion."""
+    cls = torch_core.Variable
+    original = cls.__dict__["__array__"]
+
+    def __array__(self: Any, dtype: Any = None) -> Any:
+        value = torch_core.convert_to_numpy(convert(self.value))
+        return value.astype(dtype) if dtype else value
+
+    cls.__array__ = __array__
+
+    def restore() -> None:
+        cls.__array__ = original
+
+    return restore
+
+
+def _check_variable_storage() -> list[str]:
+    missing = []
+    variable = keras.Variable([1.0, 2.0])
+    if not isinstance(variable, torch_core.Variable):
+        missing.append("keras.src.backend.torch.core.Variable")
+    elif "__array__" not in torch_core.Variable.__dict__:
+        missing.append("keras.src.backend.torch.core.Variable.__array__")
+    if not hasattr(variable, "_value"):
+        missing.append("Variable._value")
+    if not hasattr(torch_core, "convert_to_numpy"):
+        missing.append("keras.src.backend.torch.core.convert_to_numpy")
+    layer = keras.layers.Dense(1)
+    layer.build((None, 2))
+    if not hasattr(layer, "_flatten_layers"):
+        missing.append("Layer._flatten_layers")
+    if not hasattr(layer, "_torch_params") or not callable(
+        getattr(layer, "_track_variables", None)
+    ):
+        missing.append("TorchLayer._torch_params / TorchLayer._track_variables")
+    return missing

@@ -211,6 +211,10 @@ def main() -> None:
         result = unused_weight()
     elif scenario == "loader_mismatch":
         result = loader_mismatch()
+    elif scenario.startswith("model_parallel"):
+        import torch_model_parallel
+
+        result = torch_model_parallel.run(scenario)
     elif scenario.startswith("loader_"):
         record = pathlib.Path(output).with_suffix(".loads.jsonl")
         result = loader_training(scenario.removeprefix("loader_"), record)

@@ -1,0 +1,501 @@
+"""`ModelParallel` on PyTorch: sharded variables as `torch.distributed.tensor`.
+
+Each process drives one device of the mesh. While a `fit`, `evaluate` or
+`predict` runs under a `ModelParallel` whose `LayoutMap` shards variables, every
+weight of the model is a DTensor on a torch `DeviceMesh` with the keras_dist
+mesh's shape and axis names: a tensor dimension laid out along a mesh axis is
+`Shard(dim)` on that axis, anything else `Replicate()`, so each process holds
+1/N of a variable sharded N ways. The optimizer's slots (Adam's moments, SGD's
+momentum...) get the placements of the variable they mirror; its scalars (the
+iteration count, the learning rate) stay plain tensors. The values come from
+process 0, as `DistributedDataParallel` does for replicas.
+
+Every process reads the whole global batch. With a batch axis of size N > 1
+the model's inputs become DTensors split into N row blocks along that axis
+(each process keeps its block, no communication; uneven blocks are fine, so
+there is no padding), so the compute is split as in data parallelism; with a
+batch axis of size 1 they act as replicated (`implicit_replication`, which also
+lets plain tensors inside layers mix with DTensors). torch's DTensor dispatch
+inserts the collectives that the sharded ops need, including the reduction of
+the gradients of variables replicated along the batch axis. The model's outputs
+are gathered into plain full tensors before the loss and the metrics, so losses,
+metrics and predictions are computed alike, and are global, on every process.
+
+When the call ends the variables are gathered back into plain, full tensors: the
+model is then an ordinary Keras model again (`model(x)`, `get_weights()`,
+`save_weights()`, a later call without a distribution all work as usual), and
+the next distributed call shards it again. While a call runs, `np.asarray` of a
+sharded variable (`get_weights()`, checkpoints in callbacks) gathers its full
+value, which is collective: every process must do it, as keras_dist's
+callbacks do.
+
+An op that DTensor cannot run (e.g. a sharded `Conv2D` kernel in this torch
+release) fails with a `NotImplementedError` that names the op and the layer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import linecache
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import torch
+import torch.distributed as torch_distributed
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+from keras_dist.backends import torch_keras_internals as internals
+
+_meshes: dict[tuple, TorchDeviceMesh] = {}
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _world_size() -> int:
+    if torch_distributed.is_available() and torch_distributed.is_initialized():
+        return torch_distributed.get_world_size()
+    return 1
+
+
+def mesh_ranks(device_mesh: Any, world_size: int) -> np.ndarray:
+    """The process rank of every device of a keras_dist mesh, shaped like it.
+
+    On PyTorch each process drives one device, and `keras_dist.list_devices()`
+    names process `r`'s device `"cpu:r"` (or `"gpu:r"`), so the device index is
+    the rank. The mesh must hold every process' device once.
+    """
+    shape = tuple(int(size) for size in device_mesh.shape)
+    names = [str(device) for device in np.asarray(device_mesh.devices).reshape(-1)]
+    if math.prod(shape) != world_size:
+        raise ValueError(
+            "On PyTorch each process drives one device, so the device mesh must "
+            f"have one device per process: a mesh of shape {shape} "
+            f"({math.prod(shape)} devices) needs {math.prod(shape)} processes, "
+            f"but this job has {world_size}. Build the mesh from "
+            "`keras_dist.list_devices()` or start that many processes "
+            f"(`keras-dist launch --nproc-per-node {math.prod(shape)}`). "
+            f"Received: devices={names}"
+        )
+    ranks = []
+    for name in names:
+        match = re.fullmatch(r"[a-z]+:(\d+)", name)
+        if match is None:
+            raise ValueError(
+                "On PyTorch, mesh devices are named like 'cpu:0' or 'gpu:1', one "
+                f"per process (`keras_dist.list_devices()`). Received: {name!r} in "
+                f"devices={names}"
+            )
+        ranks.append(int(match.group(1)))
+    if sorted(ranks) != list(range(world_size)):
+        raise ValueError(
+            "On PyTorch the mesh must hold the device of every process once, "
+            f"{[f'cpu:{rank}' for rank in range(world_size)]} for {world_size} "
+            f"processes on CPU. Received: devices={names}"
+        )
+    return np.asarray(ranks, dtype=np.int64).reshape(shape)
+
+
+def _ensure_process_group() -> None:
+    """A one-process job gets a one-process group (an in-memory store, no
+    port), which torch's DeviceMesh needs; a multi-process job must have
+    called `keras_dist.initialize()` already."""
+    if torch_distributed.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch_distributed.init_process_group(
+        backend, store=torch_distributed.HashStore(), rank=0, world_size=1
+    )
+    # As after `keras_dist.initialize()`: gloo may abort the interpreter at
+    # exit without this.
+    atexit.register(torch_distributed.destroy_process_group)
+
+
+def torch_mesh(device_mesh: Any) -> TorchDeviceMesh:
+    """The torch `DeviceMesh` of a keras_dist mesh (built once; collective)."""
+    _ensure_process_group()
+    world_size = _world_size()
+    ranks = mesh_ranks(device_mesh, world_size)
+    key = (ranks.shape, tuple(device_mesh.axis_names), tuple(ranks.reshape(-1)))
+    if key not in _meshes:
+        _meshes[key] = TorchDeviceMesh(
+            _device_type(),
+            torch.as_tensor(ranks),
+            mesh_dim_names=tuple(device_mesh.axis_names),
+        )
+    return _meshes[key]
+
+
+def placements(axes: Sequence[str | None], axis_names: Sequence[str]) -> tuple:
+    """DTensor placements of a layout: one per mesh axis, in mesh order.
+
+    A mesh axis that shards tensor dimension `d` (`axes[d]` names it) is
+    `Shard(d)`; a mesh axis no dimension names is `Replicate()`.
+    """
+    axes = tuple(axes)
+    unknown = [axis for axis in axes if axis is not None and axis not in axis_names]
+    if unknown:
+        raise ValueError(
+            f"Layout axes {unknown} are not axes of the mesh {list(axis_names)}. "
+            f"Received: axes={axes}"
+        )
+    return tuple(
+        Shard(axes.index(name)) if name in axes else Replicate() for name in axis_names
+    )
+
+
+def distribute(
+    tensor: Any, mesh: TorchDeviceMesh, layout: tuple, device: torch.device
+) -> DTensor:
+    """`tensor` as a DTensor with placements `layout` on `mesh`.
+
+    A DTensor is redistributed; anything else is converted to a tensor and
+    taken from process 0, as torch's `distribute_tensor` does.
+    """
+    if isinstance(tensor, DTensor):
+        return tensor.redistribute(mesh, layout)
+    if not isinstance(tensor, torch.Tensor):
+        tensor = torch.as_tensor(np.asarray(tensor))
+    return distribute_tensor(tensor.to(device), mesh, layout)
+
+
+def to_full(value: Any) -> Any:
+    """A plain tensor with the whole value of `value` (gathered if a DTensor)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _mesh_size(device_mesh: Any, axis: str) -> int:
+    return int(device_mesh.shape[list(device_mesh.axis_names).index(axis)])
+
+
+def is_sharded(layout: Any) -> bool:
+    """Whether `layout` splits a variable (names a mesh axis of size > 1)."""
+    return any(
+        axis is not None and _mesh_size(layout.device_mesh, axis) > 1
+        for axis in layout.axes
+    )
+
+
+def check_batch_axis(distribution: Any) -> None:
+    """Refuse what the DTensor path does not do: per-process data."""
+    if not distribution.auto_shard_dataset:
+        raise ValueError(
+            "With sharded variables on PyTorch every process must read the same "
+            "global batches (each keeps its rows along the batch axis), so "
+            "`auto_shard_dataset=False` (each process reads its own data) cannot "
+            "be used. Received: auto_shard_dataset=False with a batch axis "
+            f"{distribution.batch_dim_name!r} of size "
+            f"{distribution.num_model_replicas}"
+        )
+
+
+def _slot_owners(optimizer: Any, variables: list[Any]) -> dict[int, Any]:
+    """Map each optimizer slot (by `id`) to the model variable it mirrors.
+
+    Keras names a slot `"<variable path with _ for />_<slot name>"` and gives it
+    the variable's shape (`Optimizer.add_variable_from_reference`); the longest
+    matching prefix of the same shape is the owner.
+    """
+    prefixes = sorted(
+        ((variable.path.replace("/", "_") + "_", variable) for variable in variables),
+        key=lambda item: len(item[0]),
+        reverse=True,
+    )
+    owners: dict[int, Any] = {}
+    for slot in optimizer.variables:
+        for prefix, variable in prefixes:
+            if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(
+                variable.shape
+            ):
+                owners[id(slot)] = variable
+                break
+    return owners
+
+
+# -- np.asarray(variable) gathers a DTensor while a run is active --------------
+_numpy_conversions: list[Callable[[], None]] = []
+
+
+def _gathering_numpy_conversion() -> None:
+    if not _numpy_conversions:
+        _numpy_conversions.append(internals.convert_variables_to_numpy_via(to_full))
+    else:
+        _numpy_conversions.append(_numpy_conversions[-1])
+
+
+def _restore_numpy_conversion() -> None:
+    if _numpy_conversions:
+        undo = _numpy_conversions.pop()
+        if not _numpy_conversions:
+            undo()
+
+
+# -- failures ------------------------------------------------------------------
+def _frames(error: BaseException) -> list[Any]:
+    frames = []
+    traceback = error.__traceback__
+    while traceback is not None:
+        frames.append(traceback)
+        traceback = traceback.tb_next
+    return frames
+
+
+def _failed_op(error: BaseException) -> str | None:
+    """The op that raised `error`, innermost first: the aten op DTensor was
+    dispatching, else the torch call in Keras' torch backend, else one that the
+    message names."""
+    frames = _frames(error)
+    for traceback in reversed(frames):
+        op = traceback.tb_frame.f_locals.get("op_call")
+        if isinstance(op, torch._ops.OpOverload):
+            return str(op)
+    for traceback in reversed(frames):
+        code = traceback.tb_frame.f_code
+        filename = code.co_filename.replace("\\", "/")
+        if "keras/src/backend/torch/" in filename:
+            module = traceback.tb_frame.f_globals.get("__name__", "")
+            line = linecache.getline(code.co_filename, traceback.tb_lineno).strip()
+            return f"`{line}` ({module}.{code.co_name})"
+    match = re.search(r"\baten\.[\w.]+", str(error))
+    return match.group(0).rstrip(".") if match else None
+
+
+def _from_dtensor(error: BaseException) -> bool:
+    for traceback in _frames(error):
+        filename = traceback.tb_frame.f_code.co_filename.replace("\\", "/")
+        if "torch/distributed/tensor/" in filename:
+            return True
+    return "DTensor" in str(error) or "sharding strateg" in str(error)
+
+
+class ShardedRun:
+    """One model's variables sharded as DTensors, from `start()` to `stop()`.
+
+    Args:
+        model: the Keras model.
+        distribution: the `ModelParallel` whose layouts shard it.
+    """
+
+    def __init__(self, model: Any, distribution: Any):
+        self.model = model
+        self.distribution = distribution
+        self.mesh = torch_mesh(distribution.device_mesh)
+        self._variables: list[Any] = []  # every variable made a DTensor
+        self._hooks: list[Any] = []
+        self._layers: list[Any] = []  # the layers being called, innermost last
+        self._depth = 0
+
+    # -- variables -------------------------------------------------------------
+    def _planned(self) -> list[tuple[Any, Any]]:
+        """Every variable that becomes a DTensor, with its layout's axes."""
+        model, distribution = self.model, self.distribution
+        planned: dict[int, tuple[Any, Any]] = {}
+        for variable in model.weights:
+            layout = distribution.layout_for_variable(variable)
+            planned.setdefault(id(variable), (variable, layout.axes))
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and model.trainable_weights and not optimizer.built:
+            optimizer.build(model.trainable_weights)
+        if optimizer is not None and optimizer.built:
+            owners = _slot_owners(optimizer, model.trainable_weights)
+            for slot in optimizer.variables:
+                owner = owners.get(id(slot))
+                if owner is not None and id(owner) in planned:
+                    planned.setdefault(id(slot), (slot, planned[id(owner)][1]))
+        return list(planned.values())
+
+    def _plain_optimizer_variables(self) -> list[Any]:
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None or not optimizer.built:
+            return []
+        sharded = {id(variable) for variable in self._variables}
+        return [v for v in optimizer.variables if id(v) not in sharded]
+
+    def start(self) -> ShardedRun:
+        axis_names = list(self.distribution.device_mesh.axis_names)
+        with torch.no_grad():
+            for variable, axes in self._planned():
+                value = internals.variable_storage(variable)
+                sharded = distribute_tensor(
+                    value.detach(), self.mesh, placements(axes, axis_names)
+                )
+                internals.set_variable_storage(
+                    variable,
+                    torch.nn.Parameter(sharded, requires_grad=value.requires_grad),
+                )
+                self._variables.append(variable)
+            # The optimizer's scalars (iterations...) start as process 0's too.
+            for variable in self._plain_optimizer_variables():
+                value = variable.value.detach().clone()
+                torch_distributed.broadcast(value, src=0)
+                variable.assign(value)
+        internals.retrack_parameters(self.model)
+        self._track_layers()
+        _gathering_numpy_conversion()
+        return self
+
+    def stop(self) -> None:
+        """Gather every variable back into a plain, full tensor (collective)."""
+        _restore_numpy_conversion()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        with torch.no_grad():
+            for variable in self._variables:
+                value = internals.variable_storage(variable)
+                if isinstance(value, DTensor):
+                    internals.set_variable_storage(
+                        variable,
+                        torch.nn.Parameter(
+                            value.full_tensor(), requires_grad=value.requires_grad
+                        ),
+                    )
+        self._variables.clear()
+        internals.retrack_parameters(self.model)
+
+    # -- layers, outputs and failures ------------------------------------------
+    def _track_layers(self) -> None:
+        batch_placements = None
+        if self.distribution.num_model_replicas > 1:
+            # The batch rows are split along the batch axis: each process
+            # computes on its share of every global batch.
+            batch_placements = tuple(
+                Shard(0) if name == self.distribution.batch_dim_name else Replicate()
+                for name in self.distribution.device_mesh.axis_names
+            )
+
+        def split_rows(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+                return value
+            if value.ndim == 0:
+                return value
+            # Every process holds the whole batch: each keeps its rows, no
+            # communication (`src_data_rank=None`); uneven splits are fine.
+            return distribute_tensor(
+                value, self.mesh, batch_placements, src_data_rank=None
+            )
+
+        def enter(layer: Any, args: Any) -> Any:
+            self._layers.append(layer)
+            if layer is self.model and batch_placements is not None:
+                return keras.tree.map_structure(split_rows, args)
+            return None
+
+        def leave(layer: Any, args: Any, outputs: Any) -> Any:
+            if self._layers and self._layers[-1] is layer:
+                self._layers.pop()
+            if layer is self.model:
+                # Losses, metrics and predictions see plain, full tensors.
+                return keras.tree.map_structure(to_full, outputs)
+            return None
+
+        for layer in internals.layers_of(self.model):
+            self._hooks.append(layer.register_forward_pre_hook(enter))
+            self._hooks.append(layer.register_forward_hook(leave))
+
+    def _sharded_layouts(self) -> dict[str, tuple]:
+        return {
+            variable.path: tuple(variable.value.placements)
+            for variable in self._variables
+            if any(not p.is_replicate() for p in variable.value.placements)
+        }
+
+    def _in_sharded_layer(self) -> bool:
+        """Whether a layer being called holds a sharded variable."""
+        sharded = {
+            id(v)
+            for v in self._variables
+            if any(not p.is_replicate() for p in v.value.placements)
+        }
+        return any(
+            id(variable) in sharded
+            for layer in self._layers
+            for variable in layer.weights
+        )
+
+    def _failure(self, error: BaseException) -> NotImplementedError:
+        op = _failed_op(error) or "an op"
+        if self._layers:
+            layer = self._layers[-1]
+            where = (
+                f"layer {getattr(layer, 'path', None) or layer.name!r} "
+                f"({type(layer).__name__})"
+            )
+        else:
+            where = "the loss, the backward pass or the optimizer update (no layer)"
+        lines = _ANSI.sub("", str(error)).strip().splitlines()
+        detail = " ".join(line.strip() for line in lines if line.strip())
+        return NotImplementedError(
+            f"PyTorch's DTensor could not run {op} in {where} with the sharded "
+            f"variables of this ModelParallel layout. {type(error).__name__}: "
+            f"{detail} -- Replicate that layer's variables (leave them out of the "
+            "LayoutMap) or shard them along another dimension. Sharded variables: "
+            f"{self._sharded_layouts()}"
+        )
+
+    @contextlib.contextmanager
+    def _step(self) -> Iterator[None]:
+        outermost = self._depth == 0
+        self._depth += 1
+        if not outermost:
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._layers.clear()
+        # Keras' frames stay in tracebacks, so a failure can name the op.
+        filtering = keras.config.is_traceback_filtering_enabled()
+        if filtering:
+            keras.config.disable_traceback_filtering()
+        try:
+            with implicit_replication():
+                yield
+        except NotImplementedError:
+            raise
+        except Exception as error:
+            if not (_from_dtensor(error) or self._in_sharded_layer()):
+                raise
+            raise self._failure(error) from error
+        finally:
+            self._depth -= 1
+            if filtering:
+                keras.config.enable_traceback_filtering()
+
+    def wrap_steps(self, steps: dict[str, Callable]) -> dict[str, Callable]:
+        """The step functions, each run with plain tensors acting as replicated
+        DTensors and DTensor failures reported by op and layer."""
+
+        def wrap(step: Callable) -> Callable:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                with self._step():
+                    return step(*args, **kwargs)
+
+            return run
+
+        return {name: wrap(step) for name, step in steps.items()}
+
+
+def collectives(model: Any) -> internals.Collectives:
+    """The steps' collectives: none are needed, every process sees the whole
+    batch and DTensor brings its own."""
+
+    def start_sum(tensor: Any) -> Callable[[], None]:
+        return lambda: None
+
+    return internals.Collectives(
+        world_size=1,
+        start_sum=start_sum,
+        gather_from_processes=lambda tensor: tensor,
+        forward=model,
+        no_grad=torch.no_grad,
+    )

@@ -1,0 +1,177 @@
+"""ModelParallel scenarios of the PyTorch worker (DTensor), run by torch_worker.py.
+
+The worker has called `kd.initialize()` before importing this module.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import scenarios
+import torch
+from torch.distributed.tensor import DTensor
+
+import keras_dist as kd
+
+# Column-sharded first kernel and bias, row-sharded second kernel; the last
+# bias stays replicated.
+LAYOUTS = {
+    "dense/kernel": (None, "model"),
+    "dense/bias": ("model",),
+    "dense_1/kernel": ("model", None),
+}
+
+
+def _model_parallel(batch: int = 1) -> kd.ModelParallel:
+    world = kd.num_processes()
+    mesh = kd.DeviceMesh((batch, world // batch), ["batch", "model"], kd.list_devices())
+    layout_map = kd.LayoutMap(mesh)
+    for key, axes in LAYOUTS.items():
+        layout_map[key] = axes
+    return kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def _held(variable: keras.Variable) -> list:
+    """[kind, local shape, placements] of what this process holds of `variable`."""
+    value = variable.value
+    if isinstance(value, DTensor):
+        placements = [str(p) for p in value.placements]
+        return ["DTensor", list(value.to_local().shape), placements]
+    return [type(value).__name__, list(value.shape), []]
+
+
+class RecordShards(keras.callbacks.Callback):
+    """What each variable is while the first training batch ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: dict[str, list] = {}
+        self.weights_in_fit: list | None = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0 and not self.held:
+            variables = [*self.model.weights, *self.model.optimizer.variables]
+            self.held = {v.path: _held(v) for v in variables}
+            # Gathers the sharded variables (every process does it).
+            self.weights_in_fit = [w.shape for w in self.model.get_weights()]
+
+
+def train(sharded: bool, batch: int = 1) -> dict:
+    """fit (with validation), predict and evaluate the classification model
+    under ModelParallel on a (batch, N / batch) mesh, or under a one-process
+    DataParallel (`sharded=False`, the reference: the same shuffle stream,
+    nothing sharded)."""
+    # Different seeds on purpose: process 0's weights must win everywhere.
+    keras.utils.set_random_seed(100 + kd.process_id())
+    x, y = scenarios.classification_data()
+    model = scenarios.classification_model()
+    distribution = _model_parallel(batch) if sharded else kd.DataParallel()
+    record = RecordShards()
+    # The rows the first layer computes on in this process, first two calls.
+    input_rows: list[int] = []
+
+    def count_rows(layer, args):
+        value = args[0]
+        if len(input_rows) < 2 and value.device.type != "meta":  # not Keras' build
+            local = value.to_local() if isinstance(value, DTensor) else value
+            input_rows.append(int(local.shape[0]))
+
+    hook = model.layers[0].register_forward_pre_hook(count_rows)
+    history = model.fit(
+        x,
+        y,
+        batch_size=12,
+        epochs=3,
+        shuffle=True,
+        verbose=0,
+        validation_data=(x[:20], y[:20]),
+        callbacks=[kd.DistributeCallback(distribution), record],
+    ).history
+    hook.remove()
+    predictions = model.predict(
+        x, batch_size=12, verbose=0, callbacks=[kd.DistributeCallback(distribution)]
+    )
+    evaluation = model.evaluate(
+        x,
+        y,
+        batch_size=7,
+        verbose=0,
+        return_dict=True,
+        callbacks=[kd.DistributeCallback(distribution)],
+    )
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "history": history,
+        "evaluation": evaluation,
+        "predictions": np.asarray(predictions).tolist(),
+        "plain_predictions": keras.ops.convert_to_numpy(model(x)).tolist(),
+        "held_in_fit": record.held,
+        "weight_shapes_in_fit": [list(s) for s in record.weights_in_fit],
+        "held_after": {v.path: _held(v) for v in model.weights},
+        "input_rows": input_rows,
+        # kd.distribute_tensor: columns split over the "model" axis.
+        "distributed_columns": kd.distribute_tensor(
+            np.arange(8, dtype="float32").reshape(2, 4),
+            kd.TensorLayout((None, "model"), distribution.device_mesh),
+        )
+        .to_local()
+        .tolist()
+        if sharded
+        else None,
+    }
+
+
+def _conv_fit(layouts: dict[str, tuple]) -> dict:
+    """fit a Conv2D whose variables `layouts` shard on their output channels."""
+    keras.utils.set_random_seed(1)
+    mesh = kd.DeviceMesh((1, kd.num_processes()), ["batch", "model"])
+    layout_map = kd.LayoutMap(mesh)
+    for key, axes in layouts.items():
+        layout_map[key] = axes
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 2)),
+            keras.layers.Conv2D(8, 3, name="conv"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((8, 6, 6, 2), "float32")
+    callback = kd.DistributeCallback(kd.ModelParallel(layout_map=layout_map))
+    error = None
+    try:
+        model.fit(x, np.zeros((8, 3), "float32"), batch_size=4, callbacks=[callback])
+    except NotImplementedError as raised:
+        error = str(raised)
+    finally:
+        callback.close()
+    # The failed call left an ordinary model behind.
+    after = keras.ops.convert_to_numpy(model(torch.as_tensor(x[:2])))
+    return {
+        "error": error,
+        "works_after": bool(np.isfinite(after).all()),
+        "kinds_after": sorted({type(v.value).__name__ for v in model.weights}),
+    }
+
+
+def unsupported_op() -> dict:
+    """Conv2D kernels sharded on their output channels, which DTensor cannot run
+    in this torch release: with the bias sharded too, and without."""
+    kernel = {"conv/kernel": (None, None, None, "model")}
+    return {
+        "kernel_and_bias": _conv_fit({**kernel, "conv/bias": ("model",)}),
+        "kernel_only": _conv_fit(kernel),
+    }
+
+
+def run(scenario: str) -> dict:
+    if scenario == "model_parallel":
+        return train(sharded=True)
+    if scenario == "model_parallel_2x2":
+        return train(sharded=True, batch=2)
+    if scenario == "model_parallel_reference":
+        return train(sharded=False)
+    if scenario == "model_parallel_unsupported_op":
+        return unsupported_op()
+    raise ValueError(f"Unknown ModelParallel scenario: {scenario!r}")
