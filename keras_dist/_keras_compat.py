@@ -266,19 +266,37 @@ class GlobalBatchNorm:
                     "keras_dist cannot normalize it over the global batch."
                 )
             rows = ops.repeat(rows, batch // share)  # TimeDistributed: row-major
-        weight = ops.reshape(rows, (-1,) + (1,) * (len(inputs.shape) - 1))
-        if mask is not None:
-            weight = weight * ops.expand_dims(ops.cast(mask, inputs.dtype), -1)
-        weight = ops.broadcast_to(weight, ops.shape(inputs))
-        total = sum_over_replicas(
-            ops.stack(
-                [
-                    ops.sum(inputs * weight, axes, keepdims=True),
-                    ops.sum(ops.square(inputs) * weight, axes, keepdims=True),
-                    ops.sum(weight, axes, keepdims=True),
-                ]
+        if mask is None and 0 in axes:
+            # Per-row sums first (as cheap as Keras' own moments), then the
+            # rows weighted by the row mask.
+            others = tuple(axis for axis in axes if axis != 0)
+            per_row = ops.sum(inputs, others, keepdims=True) if others else inputs
+            squares = ops.square(inputs)
+            per_row_squares = (
+                ops.sum(squares, others, keepdims=True) if others else squares
             )
-        )
+            weight = ops.reshape(rows, (-1,) + (1,) * (len(inputs.shape) - 1))
+            # Positions per row and channel (works for unknown static shapes).
+            positions = ops.cast(ops.size(inputs), inputs.dtype) / ops.cast(
+                ops.size(per_row), inputs.dtype
+            )
+            count = ops.sum(weight, 0, keepdims=True) * positions
+            local = [
+                ops.sum(per_row * weight, 0, keepdims=True),
+                ops.sum(per_row_squares * weight, 0, keepdims=True),
+                ops.broadcast_to(count, ops.shape(per_row[:1])),
+            ]
+        else:
+            weight = ops.reshape(rows, (-1,) + (1,) * (len(inputs.shape) - 1))
+            if mask is not None:
+                weight = weight * ops.expand_dims(ops.cast(mask, inputs.dtype), -1)
+            weight = ops.broadcast_to(weight, ops.shape(inputs))
+            local = [
+                ops.sum(inputs * weight, axes, keepdims=True),
+                ops.sum(ops.square(inputs) * weight, axes, keepdims=True),
+                ops.sum(weight, axes, keepdims=True),
+            ]
+        total = sum_over_replicas(ops.stack(local))
         count = ops.maximum(total[2], 1.0)
         mean = total[0] / count
         variance = total[1] / count - ops.square(mean)

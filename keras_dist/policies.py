@@ -145,6 +145,15 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
         device_mesh: a 1-D `DeviceMesh`. Give this or `devices`, not both.
         devices: device names to build a 1-D mesh from.
         auto_shard_dataset: see `Distribution`.
+        sync_batch_norm: keyword only. `True` (the default): BatchNormalization
+            normalizes over the real rows of the whole global batch, as one
+            device would (PyTorch's `SyncBatchNorm`; Keras' `synchronized=True`
+            on TensorFlow), at the cost of one small all-reduce per layer in
+            forward and one in backward on PyTorch and TensorFlow. `False`: each
+            replica normalizes with its own rows' statistics, as torch DDP and
+            `tf.distribute` do by default (the moving statistics are still kept
+            equal everywhere). On JAX the statistics are global either way, as
+            in Keras' own `DataParallel`.
 
     With neither argument, every device of `list_devices()` is used.
 
@@ -160,7 +169,15 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
         device_mesh: Any = None,
         devices: Any = None,
         auto_shard_dataset: bool = True,
+        *,
+        sync_batch_norm: bool = True,
     ):
+        if not isinstance(sync_batch_norm, bool):
+            raise TypeError(
+                "`sync_batch_norm` must be True or False. Received: "
+                f"sync_batch_norm={sync_batch_norm!r}"
+            )
+        self._sync_batch_norm = sync_batch_norm
         if device_mesh is not None and devices is not None:
             raise ValueError(
                 "Give DataParallel either `device_mesh` or `devices`, not both. "
@@ -193,6 +210,11 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
                 stacklevel=2,
             )
         super().__init__(device_mesh, device_mesh.axis_names[0], auto_shard_dataset)
+
+    @property
+    def sync_batch_norm(self) -> bool:
+        """Whether BatchNormalization uses the statistics of the global batch."""
+        return self._sync_batch_norm
 
 
 class ModelParallel(Distribution, keras.distribution.ModelParallel):

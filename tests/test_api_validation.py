@@ -503,6 +503,17 @@ def test_warnings_stay_quiet_on_other_processes(monkeypatch):
         runtime.warn_once("only process 0 says this", UserWarning)
 
 
+def test_data_parallel_sync_batch_norm_is_a_keyword_bool():
+    assert kd.DataParallel().sync_batch_norm is True
+    assert kd.DataParallel(sync_batch_norm=False).sync_batch_norm is False
+    with pytest.raises(
+        TypeError, match=r"sync_batch_norm` must be.*Received: sync_batch_norm='no'"
+    ):
+        kd.DataParallel(sync_batch_norm="no")
+    with pytest.raises(TypeError):
+        kd.DataParallel(None, None, True, False)  # keyword only
+
+
 def test_data_parallel_defaults_and_one_axis_mesh_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -86,7 +86,20 @@ def test_only_rank_zero_prints(two_processes):
     assert "loss" not in log_of(output_dir, 1)
 
 
-def test_batch_norm_training_matches_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def batch_norm_reference(tmp_path_factory):
+    """The BatchNormalization model trained in one process."""
+    (result,) = run_job(
+        "torch_worker.py",
+        ["train_batch_norm"],
+        processes=1,
+        env=TORCH,
+        output_dir=tmp_path_factory.mktemp("torch_batch_norm_one"),
+    )
+    return result
+
+
+def test_batch_norm_training_matches_one_process(batch_norm_reference, tmp_path):
     """BatchNormalization normalizes over the global batch, padding left out.
 
     45 samples in batches of 12: the last global batch of 9 rows is split 5 + 4
@@ -97,15 +110,9 @@ def test_batch_norm_training_matches_one_process(tmp_path):
         ["train_batch_norm"],
         processes=2,
         env=TORCH,
-        output_dir=tmp_path / "two",
+        output_dir=tmp_path,
     )
-    (reference,) = run_job(
-        "torch_worker.py",
-        ["train_batch_norm"],
-        processes=1,
-        env=TORCH,
-        output_dir=tmp_path / "one",
-    )
+    reference = batch_norm_reference
     # Two BatchNormalization layers: gamma, beta, moving mean and variance each.
     assert len(reference["weights"]) == 14
     for result in results:
@@ -118,6 +125,30 @@ def test_batch_norm_training_matches_one_process(tmp_path):
         )
     for first, second in zip(results[0]["weights"], results[1]["weights"], strict=True):
         np.testing.assert_array_equal(first, second)
+
+
+def test_per_process_batch_norm_statistics_stay_equal_on_every_rank(
+    batch_norm_reference, tmp_path
+):
+    """`DataParallel(sync_batch_norm=False)`: each rank normalizes with its own
+    rows (like DDP without SyncBatchNorm); the moving statistics are averaged."""
+    results = run_job(
+        "torch_worker.py",
+        ["train_local_batch_norm"],
+        processes=2,
+        env=TORCH,
+        output_dir=tmp_path / "two",
+    )
+    for first, second in zip(results[0]["weights"], results[1]["weights"], strict=True):
+        np.testing.assert_allclose(first, second, atol=1e-6, rtol=0)
+    # Not the one-device statistics: the ranks normalized their own halves.
+    differences = [
+        np.max(np.abs(np.asarray(ours) - np.asarray(reference)))
+        for ours, reference in zip(
+            results[0]["weights"], batch_norm_reference["weights"], strict=True
+        )
+    ]
+    assert max(differences) > 1e-3
 
 
 def test_unused_weights_are_named(tmp_path):

@@ -36,6 +36,7 @@ KERAS_BACKEND=torch PYTHONPATH=. python -m keras_dist launch --nproc-per-node 2 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -126,19 +127,26 @@ def main() -> None:
     x, y = synthetic_data(max(args.steps, args.warmup_steps) * GLOBAL_BATCH)
 
     # -- keras_dist: a plain fit with the callback ------------------------------
-    kd_model = build_model()
-    kd_distribution = kd.DataParallel()
+    def keras_dist_fit(distribution: kd.DataParallel) -> tuple[keras.Model, Any]:
+        model = build_model()
 
-    def fit_kd(steps: int, callbacks: list) -> keras.callbacks.History:
-        rows = steps * GLOBAL_BATCH
-        return kd_model.fit(
-            x[:rows],
-            y[:rows],
-            batch_size=GLOBAL_BATCH,
-            shuffle=False,
-            verbose=0,
-            callbacks=[kd.DistributeCallback(kd_distribution), *callbacks],
-        )
+        def fit(steps: int, callbacks: list) -> keras.callbacks.History:
+            rows = steps * GLOBAL_BATCH
+            return model.fit(
+                x[:rows],
+                y[:rows],
+                batch_size=GLOBAL_BATCH,
+                shuffle=False,
+                verbose=0,
+                callbacks=[kd.DistributeCallback(distribution), *callbacks],
+            )
+
+        return model, fit
+
+    # Per-process batch statistics, as the loop computes them.
+    kd_model, fit_kd = keras_dist_fit(kd.DataParallel(sync_batch_norm=False))
+    # The default: statistics of the global batch (SyncBatchNorm), exact.
+    sync_model, fit_sync = keras_dist_fit(kd.DataParallel())
 
     # -- the hand-written loop of the guide ----------------------------------------
     loop_model = build_model()
@@ -175,7 +183,14 @@ def main() -> None:
 
     candidates = [
         Candidate(
-            "keras_dist", "fit + kd.DistributeCallback(kd.DataParallel())", fit_kd
+            "keras_dist",
+            "fit + kd.DistributeCallback(kd.DataParallel(sync_batch_norm=False))",
+            fit_kd,
+        ),
+        Candidate(
+            "keras_dist_sync_bn",
+            "fit + kd.DistributeCallback(kd.DataParallel()): global-batch BN",
+            fit_sync,
         ),
         Candidate(
             "torch_loop",
@@ -193,6 +208,7 @@ def main() -> None:
     )
     devices_used = {
         "keras_dist": processes_agreeing(kd_model),
+        "keras_dist_sync_bn": processes_agreeing(sync_model),
         "torch_loop": processes_agreeing(loop_model),
     }
     if rank != 0:

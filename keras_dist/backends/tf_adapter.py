@@ -303,8 +303,9 @@ class TensorFlowAdapter(BackendAdapter):
         )
         # BatchNormalization statistics over the real rows of the global
         # batch: each replica's sums are added in one all-reduce.
-        batch_norms = GlobalBatchNorm.install(model, _sum_over_replicas)
-        undo.append(lambda: GlobalBatchNorm.uninstall(batch_norms))
+        if getattr(distribution, "sync_batch_norm", True):
+            batch_norms = GlobalBatchNorm.install(model, _sum_over_replicas)
+            undo.append(lambda: GlobalBatchNorm.uninstall(batch_norms))
         internals.route_batches(batches_for_epoch)
         install_steps(model, internals.make_steps(model))
         self._runs[id(model)] = undo

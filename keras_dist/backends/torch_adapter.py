@@ -298,7 +298,7 @@ class TorchAdapter(BackendAdapter):
         if dtensors:
             steps = _sharded_runs[id(model)].wrap_steps(steps)
         install_steps(model, steps)
-        if replicas > 1:
+        if replicas > 1 and getattr(distribution, "sync_batch_norm", True):
             # BatchNormalization normalizes over the global batch (SyncBatchNorm).
             self._batch_norms[id(model)] = GlobalBatchNorm.install(
                 model, differentiable_all_reduce

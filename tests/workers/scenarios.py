@@ -49,6 +49,7 @@ def classification_model(batch_norm: bool = False) -> keras.Model:
 def train(
     *,
     batch_norm: bool = False,
+    sync_batch_norm: bool = True,
     sample_weights: bool = False,
     shuffle: bool,
     verbose: int,
@@ -62,7 +63,7 @@ def train(
         np.linspace(0.5, 1.5, len(x)).astype("float32") if sample_weights else None
     )
     model = classification_model(batch_norm)  # built before the distribution
-    distribution = kd.DataParallel()
+    distribution = kd.DataParallel(sync_batch_norm=sync_batch_norm)
     history = model.fit(
         x,
         y,

@@ -201,6 +201,10 @@ def main() -> None:
         result = scenarios.train(shuffle=True, verbose=1)
     elif scenario == "train_batch_norm":
         result = scenarios.train(batch_norm=True, shuffle=True, verbose=1)
+    elif scenario == "train_local_batch_norm":
+        result = scenarios.train(
+            batch_norm=True, sync_batch_norm=False, shuffle=True, verbose=1
+        )
     elif scenario == "own_data":
         result = own_data()
     elif scenario == "own_data_reference":
