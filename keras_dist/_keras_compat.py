@@ -303,9 +303,38 @@ class GlobalBatchNorm:
         return ops.squeeze(mean, axes), ops.squeeze(variance, axes)
 
 
+def slot_owners(optimizer: Any, model_variables: list[Any]) -> dict[int, Any]:
+    """Map each optimizer slot (by `id`) to the model variable it mirrors.
+
+    Keras names a slot `"<variable path with _ for />_<slot name>"` and gives
+    it the variable's shape (`Optimizer.add_variable_from_reference`); the
+    longest matching prefix of the same shape is the owner.
+    """
+    prefixes = [
+        (variable.path.replace("/", "_") + "_", variable)
+        for variable in model_variables
+    ]
+    prefixes.sort(key=lambda item: len(item[0]), reverse=True)
+    owners: dict[int, Any] = {}
+    for slot in optimizer.variables:
+        for prefix, variable in prefixes:
+            if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(
+                variable.shape
+            ):
+                owners[id(slot)] = variable
+                break
+    return owners
+
+
 def check() -> list[str]:
     """Names of the Keras details this release no longer matches."""
     missing = []
+    dense = keras.layers.Dense(2, name="probe")
+    dense.build((None, 3))
+    sgd = keras.optimizers.SGD(momentum=0.9)
+    sgd.build(dense.trainable_variables)
+    if len(slot_owners(sgd, dense.trainable_variables)) != 2:
+        missing.append("Optimizer.add_variable_from_reference slot naming")
     model = keras.Sequential([keras.layers.BatchNormalization()])
     if not hasattr(model, "_flatten_layers"):
         missing.append("Layer._flatten_layers")

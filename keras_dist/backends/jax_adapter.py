@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_dist._keras_compat import GlobalBatchNorm
+from keras_dist._keras_compat import GlobalBatchNorm, slot_owners
 from keras_dist.backends import jax_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.jax_input_adapter import (
@@ -185,7 +185,7 @@ def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
             )
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:
-        owners = internals.slot_owners(optimizer, model.trainable_variables)
+        owners = slot_owners(optimizer, model.trainable_variables)
         for variable in optimizer.variables:
             owner = owners.get(id(variable))
             if owner is not None:

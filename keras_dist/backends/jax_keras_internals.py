@@ -58,12 +58,6 @@ def check() -> list[str]:
         variable = keras.Variable(0.0)
         if not hasattr(variable, name):
             missing.append(f"Variable.{name}")
-    dense = keras.layers.Dense(2, name="probe")
-    dense.build((None, 3))
-    sgd = keras.optimizers.SGD(momentum=0.9)
-    sgd.build(dense.trainable_variables)
-    if len(slot_owners(sgd, dense.trainable_variables)) != 2:
-        missing.append("Optimizer.add_variable_from_reference slot naming")
     if not hasattr(keras_backend, "StatelessScope"):
         missing.append("keras.src.backend.StatelessScope")
     if not hasattr(data_adapter_utils, "unpack_x_y_sample_weight"):
@@ -127,29 +121,6 @@ def relayout_variable(variable: Any, layout: Any) -> None:
     """Give an existing variable `layout` and move its value there."""
     variable._layout = layout
     variable._direct_assign(variable.value)
-
-
-def slot_owners(optimizer: Any, model_variables: list[Any]) -> dict[int, Any]:
-    """Map each optimizer slot (by `id`) to the model variable it mirrors.
-
-    Keras names a slot `"<variable path with _ for />_<slot name>"` and gives
-    it the variable's shape (`Optimizer.add_variable_from_reference`); the
-    longest matching prefix of the same shape is the owner.
-    """
-    prefixes = [
-        (variable.path.replace("/", "_") + "_", variable)
-        for variable in model_variables
-    ]
-    prefixes.sort(key=lambda item: len(item[0]), reverse=True)
-    owners: dict[int, Any] = {}
-    for slot in optimizer.variables:
-        for prefix, variable in prefixes:
-            if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(
-                variable.shape
-            ):
-                owners[id(slot)] = variable
-                break
-    return owners
 
 
 # -- step functions that honour a padding mask ---------------------------------
@@ -332,5 +303,4 @@ __all__ = [
     "remove_steps",
     "route_batches",
     "unroute_batches",
-    "slot_owners",
 ]

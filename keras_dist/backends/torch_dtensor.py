@@ -51,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from keras_dist._keras_compat import slot_owners
 from keras_dist.backends import torch_keras_internals as internals
 
 _meshes: dict[tuple, TorchDeviceMesh] = {}
@@ -198,29 +199,6 @@ def check_batch_axis(distribution: Any) -> None:
         )
 
 
-def _slot_owners(optimizer: Any, variables: list[Any]) -> dict[int, Any]:
-    """Map each optimizer slot (by `id`) to the model variable it mirrors.
-
-    Keras names a slot `"<variable path with _ for />_<slot name>"` and gives it
-    the variable's shape (`Optimizer.add_variable_from_reference`); the longest
-    matching prefix of the same shape is the owner.
-    """
-    prefixes = sorted(
-        ((variable.path.replace("/", "_") + "_", variable) for variable in variables),
-        key=lambda item: len(item[0]),
-        reverse=True,
-    )
-    owners: dict[int, Any] = {}
-    for slot in optimizer.variables:
-        for prefix, variable in prefixes:
-            if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(
-                variable.shape
-            ):
-                owners[id(slot)] = variable
-                break
-    return owners
-
-
 # -- np.asarray(variable) gathers a DTensor while a run is active --------------
 _numpy_conversions: list[Callable[[], None]] = []
 
@@ -306,7 +284,7 @@ class ShardedRun:
         if optimizer is not None and model.trainable_weights and not optimizer.built:
             optimizer.build(model.trainable_weights)
         if optimizer is not None and optimizer.built:
-            owners = _slot_owners(optimizer, model.trainable_weights)
+            owners = slot_owners(optimizer, model.trainable_weights)
             for slot in optimizer.variables:
                 owner = owners.get(id(slot))
                 if owner is not None and id(owner) in planned:

@@ -58,12 +58,33 @@ def train(
     under `kd.DataParallel()`; what the parity tests compare."""
     # Different seeds on purpose: process 0's weights must win everywhere.
     keras.utils.set_random_seed(100 + kd.process_id())
+    model = classification_model(batch_norm)  # built before the distribution
+    result = fit_predict_evaluate(
+        model,
+        kd.DataParallel(sync_batch_norm=sync_batch_norm),
+        sample_weights=sample_weights,
+        shuffle=shuffle,
+        verbose=verbose,
+    )
+    result["devices"] = kd.list_devices()
+    return result
+
+
+def fit_predict_evaluate(
+    model: keras.Model,
+    distribution: kd.Distribution,
+    *,
+    sample_weights: bool = False,
+    shuffle: bool,
+    verbose: int,
+    fit_callbacks: tuple = (),
+) -> dict:
+    """fit (3 epochs, batch 12, with validation), predict and evaluate `model`
+    on the classification data under `distribution`."""
     x, y = classification_data()
     weights = (
         np.linspace(0.5, 1.5, len(x)).astype("float32") if sample_weights else None
     )
-    model = classification_model(batch_norm)  # built before the distribution
-    distribution = kd.DataParallel(sync_batch_norm=sync_batch_norm)
     history = model.fit(
         x,
         y,
@@ -73,7 +94,7 @@ def train(
         shuffle=shuffle,
         verbose=verbose,
         validation_data=(x[:20], y[:20]),
-        callbacks=[kd.DistributeCallback(distribution)],
+        callbacks=[kd.DistributeCallback(distribution), *fit_callbacks],
     ).history
     predictions = model.predict(
         x, batch_size=12, verbose=0, callbacks=[kd.DistributeCallback(distribution)]
@@ -92,7 +113,6 @@ def train(
         "evaluation": evaluation,
         "predictions": np.asarray(predictions).tolist(),
         "processes": kd.num_processes(),
-        "devices": kd.list_devices(),
     }
 
 

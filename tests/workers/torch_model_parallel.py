@@ -63,7 +63,7 @@ def train(sharded: bool, batch: int = 1) -> dict:
     nothing sharded)."""
     # Different seeds on purpose: process 0's weights must win everywhere.
     keras.utils.set_random_seed(100 + kd.process_id())
-    x, y = scenarios.classification_data()
+    x, _ = scenarios.classification_data()
     model = scenarios.classification_model()
     distribution = _model_parallel(batch) if sharded else kd.DataParallel()
     record = RecordShards()
@@ -77,33 +77,12 @@ def train(sharded: bool, batch: int = 1) -> dict:
             input_rows.append(int(local.shape[0]))
 
     hook = model.layers[0].register_forward_pre_hook(count_rows)
-    history = model.fit(
-        x,
-        y,
-        batch_size=12,
-        epochs=3,
-        shuffle=True,
-        verbose=0,
-        validation_data=(x[:20], y[:20]),
-        callbacks=[kd.DistributeCallback(distribution), record],
-    ).history
+    result = scenarios.fit_predict_evaluate(
+        model, distribution, shuffle=True, verbose=0, fit_callbacks=(record,)
+    )
     hook.remove()
-    predictions = model.predict(
-        x, batch_size=12, verbose=0, callbacks=[kd.DistributeCallback(distribution)]
-    )
-    evaluation = model.evaluate(
-        x,
-        y,
-        batch_size=7,
-        verbose=0,
-        return_dict=True,
-        callbacks=[kd.DistributeCallback(distribution)],
-    )
     return {
-        "weights": [w.tolist() for w in model.get_weights()],
-        "history": history,
-        "evaluation": evaluation,
-        "predictions": np.asarray(predictions).tolist(),
+        **result,
         "plain_predictions": keras.ops.convert_to_numpy(model(x)).tolist(),
         "held_in_fit": record.held,
         "weight_shapes_in_fit": [list(s) for s in record.weights_in_fit],
