@@ -61,7 +61,24 @@ def test_callback_matches_single_device_for_a_model_built_outside_the_scope(
     assert "train_step" not in model.__dict__
 
 
-def test_model_built_under_the_scope_is_mirrored_from_the_start(single_device_run):
+@pytest.fixture
+def unpatched_keras(monkeypatch):
+    """Keras' own `_maybe_symbolic_build`, as in a process where no keras_dist
+    call has run yet (the first activation installs the workaround)."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    from keras_dist.backends import tf_keras_internals
+
+    monkeypatch.setattr(
+        tf_trainer.TensorFlowTrainer,
+        "_maybe_symbolic_build",
+        tf_keras_internals.KERAS_MAYBE_SYMBOLIC_BUILD,
+    )
+
+
+def test_model_built_under_the_scope_is_mirrored_from_the_start(
+    single_device_run, unpatched_keras
+):
     reference_model, reference = single_device_run
     distribution = _distribution()
     with distribution.scope():
@@ -98,7 +115,10 @@ def test_trainer_mixin_matches_single_device(single_device_run):
     assert _replicas(model.get_layer("hidden").kernel) == DEVICES
 
 
-def test_trainer_uses_the_global_distribution(single_device_run):
+def test_trainer_uses_the_global_distribution(single_device_run, unpatched_keras):
+    """Built in `dist.scope()`, the model carries the strategy: Keras builds it
+    from its own split of the first batch (18 rows: 5, 5, 4, 4) before
+    keras_dist's callback runs, which fails unless the scope fixed it."""
     reference_model, reference = single_device_run
     distribution = _distribution()
     with distribution.scope():

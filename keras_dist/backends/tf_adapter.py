@@ -202,6 +202,11 @@ class TensorFlowAdapter(BackendAdapter):
             strategy = self.strategy(distribution)
         except (NotImplementedError, ValueError):
             return contextlib.nullcontext()
+        # A model built in this scope carries the strategy, so Keras builds it
+        # from a batch of its own distributed dataset when `fit` starts, before
+        # keras_dist's callback is called; Keras' averaging of the replicas'
+        # pieces fails when the batch does not divide them (5, 5, 4, 4 rows).
+        internals.install_multi_worker_fixes()
         return strategy.scope()
 
     def _check_layouts(self, distribution: Any) -> None:

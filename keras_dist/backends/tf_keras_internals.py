@@ -30,6 +30,8 @@ from keras_dist.backends.tf_input_adapter import DATA, MASK, SCALE
 from keras_dist.padding import masked_row_weights
 
 _original_reduce_per_replica = tf_trainer.reduce_per_replica
+# Keras' own, for tests that start from a process keras_dist has not patched.
+KERAS_MAYBE_SYMBOLIC_BUILD = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
 _epochs = EpochRouting(tf_trainer.TFEpochIterator)
 # Strategies whose step outputs keras_dist already made global (metrics) or
 # trimmed to real rows (predictions).
