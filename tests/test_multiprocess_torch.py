@@ -349,6 +349,9 @@ def test_model_parallel_trains_like_one_process(model_parallel):
     assert results[0]["history"] == results[1]["history"]
     # A batch axis of size 1: every process computes on whole batches.
     assert [r["input_rows"] for r in results] == [[12, 12]] * 2
+    # The LayoutMap's "dense/output": (None, None) replicated the first layer's
+    # column-sharded output before the second layer.
+    assert [r["second_layer_input"] for r in results] == [["R", "R"]] * 2
     assert [r["distributed_columns"] for r in results] == [
         [[0, 1], [4, 5]],
         [[2, 3], [6, 7]],

@@ -64,6 +64,11 @@ def _accelerator_type() -> str | None:
 class TorchAdapter(BackendAdapter):
     name = "torch"
 
+    def __init__(self) -> None:
+        super().__init__()
+        # id(model) -> the undo of its layer-output relayout routing.
+        self._output_layouts: dict[int, Any] = {}
+
     def simulate_cpu_devices(self, count: int) -> None:
         if count != 1:
             raise NotImplementedError(
@@ -297,6 +302,13 @@ class TorchAdapter(BackendAdapter):
         steps = internals.make_steps(model, collectives)
         if dtensors:
             steps = _sharded_runs[id(model)].wrap_steps(steps)
+            relayout = _sharded_runs[id(model)].relayout
+        else:
+            # Replicated variables: each process' tensors are its own rows.
+            def relayout(tensor: Any, layout: Any) -> Any:
+                return tensor
+
+        self._output_layouts[id(model)] = internals.route_output_layouts(relayout)
         install_steps(model, steps)
         if replicas > 1 and getattr(distribution, "sync_batch_norm", True):
             # BatchNormalization normalizes over the global batch (SyncBatchNorm).
@@ -305,6 +317,7 @@ class TorchAdapter(BackendAdapter):
             )
 
     def deactivate(self, model: Any) -> None:
+        self._output_layouts.pop(id(model), lambda: None)()
         GlobalBatchNorm.uninstall(self._batch_norms.pop(id(model), []))
         remove_steps(model)
         internals.unroute_batches()

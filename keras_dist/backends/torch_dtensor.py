@@ -340,6 +340,15 @@ class ShardedRun:
         self._variables.clear()
         internals.retrack_parameters(self.model)
 
+    def relayout(self, tensor: Any, layout: Any) -> Any:
+        """A layer output laid out as the `LayoutMap` says (`"<layer>/output"`
+        entries): a DTensor is redistributed, autograd included; a plain tensor
+        (full on every process) is left as it is."""
+        if not isinstance(tensor, DTensor):
+            return tensor
+        names = list(self.distribution.device_mesh.axis_names)
+        return tensor.redistribute(self.mesh, placements(layout.axes, names))
+
     # -- layers, outputs and failures ------------------------------------------
     def _track_layers(self) -> None:
         batch_placements = None

@@ -7,6 +7,7 @@ the collectives and the forward pass (through DistributedDataParallel).
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ import keras
 from keras import ops
 from keras.src.backend.torch import core as torch_core
 from keras.src.backend.torch import trainer as torch_trainer
+from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.trainers.data_adapters import (
     data_adapter_utils,
     torch_data_loader_adapter,
@@ -69,6 +71,8 @@ def check() -> list[str]:
     if any(not hasattr(v, "aggregation") for v in metric.variables):
         missing.append("Variable.aggregation")
     missing += _check_variable_storage()
+    if not hasattr(keras_distribution_lib, "distribution_lib"):
+        missing.append("keras.src.distribution.distribution_lib.distribution_lib")
     return missing
 
 
@@ -328,3 +332,22 @@ def _check_variable_storage() -> list[str]:
     ):
         missing.append("TorchLayer._torch_params / TorchLayer._track_variables")
     return missing
+
+
+def route_output_layouts(distribute: Callable[[Any, Any], Any]) -> Callable[[], None]:
+    """Send Keras' layer-output relayouts to `distribute(tensor, layout)`.
+
+    When the distribution's `LayoutMap` names `"<layer path>/output"`, Keras'
+    `Layer.__call__` relays the output out through its backend's
+    `distribution_lib`, which the torch backend does not have (it is None, and
+    the call fails with an AttributeError). Returns the undo.
+    """
+    saved = keras_distribution_lib.distribution_lib
+    keras_distribution_lib.distribution_lib = types.SimpleNamespace(
+        distribute_tensor=distribute
+    )
+
+    def undo() -> None:
+        keras_distribution_lib.distribution_lib = saved
+
+    return undo

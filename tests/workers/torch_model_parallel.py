@@ -19,6 +19,9 @@ LAYOUTS = {
     "dense/kernel": (None, "model"),
     "dense/bias": ("model",),
     "dense_1/kernel": ("model", None),
+    # A layer output relaid out (Keras' LayoutMap "<layer>/output" entries):
+    # replicated, where the column-sharded kernel leaves it sharded.
+    "dense/output": (None, None),
 }
 
 
@@ -76,11 +79,23 @@ def train(sharded: bool, batch: int = 1) -> dict:
             local = value.to_local() if isinstance(value, DTensor) else value
             input_rows.append(int(local.shape[0]))
 
-    hook = model.layers[0].register_forward_pre_hook(count_rows)
+    # How the second Dense layer receives the first one's output.
+    relaid: list[list[str]] = []
+
+    def record_placements(layer, args):
+        value = args[0]
+        if not relaid and value.device.type != "meta":
+            relaid.append([str(p) for p in getattr(value, "placements", [])])
+
+    hooks = [
+        model.layers[0].register_forward_pre_hook(count_rows),
+        model.layers[1].register_forward_pre_hook(record_placements),
+    ]
     result = scenarios.fit_predict_evaluate(
         model, distribution, shuffle=True, verbose=0, fit_callbacks=(record,)
     )
-    hook.remove()
+    for hook in hooks:
+        hook.remove()
     return {
         **result,
         "plain_predictions": keras.ops.convert_to_numpy(model(x)).tolist(),
@@ -88,6 +103,7 @@ def train(sharded: bool, batch: int = 1) -> dict:
         "weight_shapes_in_fit": [list(s) for s in record.weights_in_fit],
         "held_after": {v.path: _held(v) for v in model.weights},
         "input_rows": input_rows,
+        "second_layer_input": relaid[0] if relaid else None,
         # kd.distribute_tensor: columns split over the "model" axis.
         "distributed_columns": kd.distribute_tensor(
             np.arange(8, dtype="float32").reshape(2, 4),
