@@ -298,3 +298,46 @@ def test_batch_norm_normalizes_over_the_global_batch_without_padding():
         model, lambda: [kd.DistributeCallback(_distribution())], epochs=2
     )
     parity.assert_same_training(reference, result, reference_model, model)
+
+
+def test_fit_in_a_loop_reuses_the_traced_step_and_trains_like_one_device():
+    """The second call reuses the first one's traced functions (no retracing)
+    until `compile()` changes what they depend on; the fits still equal
+    single-device fits, also after a `compile()` outside any scope."""
+    x, y = parity.data()
+    reference = parity.sequential()
+    for _ in range(2):
+        reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model = parity.sequential()
+    distribution = _distribution()
+    seen = []
+
+    class RecordStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(self.model.train_function)
+
+    def fit():
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(distribution), RecordStep()],
+        )
+        return seen[-1]
+
+    first = fit()
+    assert fit() is first
+    for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+    assert model.train_function is None  # Keras' own steps outside the run
+    # A compile() outside any scope after the model was mirrored: a new
+    # optimizer, traced anew, still training like one device.
+    parity.compile_model(model)
+    assert fit() is not first
+    parity.compile_model(reference)
+    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)

@@ -18,16 +18,11 @@ from keras.src.backend.jax import trainer as jax_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dist._keras_compat import (
-    COMPILED_FUNCTIONS,
     GlobalBatchNorm,
+    install_cached_steps,
+    remove_cached_steps,
     update_compiled_metrics,
     uses_keras_compute_metrics,
-)
-from keras_dist._keras_compat import (
-    install_steps as compat_install_steps,
-)
-from keras_dist._keras_compat import (
-    remove_steps as compat_remove_steps,
 )
 from keras_dist.padding import MaskedBatch, masked_row_weights
 
@@ -202,30 +197,6 @@ def masked_test_step(model: Any, state: Any, batch: MaskedBatch) -> Any:
     return logs, (trainable, non_trainable, metrics_variables)
 
 
-_CACHE = "_keras_dist_compiled"
-
-
-def _compile_key(model: Any, distribution: Any) -> tuple[Any, ...]:
-    """What a compiled step depends on besides its inputs' shapes: another
-    distribution or a `compile()` since the last run means compiling again."""
-    return (
-        distribution,
-        model.optimizer,
-        getattr(model, "_compile_loss", None),
-        getattr(model, "_compile_metrics", None),
-        model.steps_per_execution,
-        model.jit_compile,
-        model.run_eagerly,
-    )
-
-
-def _same_key(first: tuple[Any, ...], second: tuple[Any, ...]) -> bool:
-    return len(first) == len(second) and all(
-        a is b or (type(a) in (int, bool) and a == b)
-        for a, b in zip(first, second, strict=True)
-    )
-
-
 def install_steps(
     model: Any,
     distribution: Any,
@@ -239,14 +210,16 @@ def install_steps(
     functions of the previous run are reused when nothing they depend on
     changed, so calling `fit` in a loop does not compile every time.
     """
-    key = _compile_key(model, distribution)
-    cached = model.__dict__.get(_CACHE)
-    if cached is not None and _same_key(cached["key"], key):
-        compat_install_steps(model, cached["steps"])
-        for name in COMPILED_FUNCTIONS:
-            setattr(model, name, cached["compiled"][name])
-        return
+    install_cached_steps(
+        model,
+        distribution,
+        lambda: _masked_steps(model, trim_outputs, value_and_grad),
+    )
 
+
+def _masked_steps(
+    model: Any, trim_outputs: Callable[[Any, Any], Any], value_and_grad: Callable
+) -> dict[str, Callable]:
     cls = type(model)
 
     def train_step(state: Any, data: Any) -> Any:
@@ -278,22 +251,17 @@ def install_steps(
         model.predict_function = predict_function
         return predict_function
 
-    steps = {
+    return {
         "train_step": train_step,
         "test_step": test_step,
         "predict_step": predict_step,
         "make_predict_function": make_predict_function,
     }
-    compat_install_steps(model, steps)
-    model.__dict__[_CACHE] = {"key": key, "steps": steps, "compiled": {}}
 
 
 def remove_steps(model: Any) -> None:
     """Put Keras' own steps back, keeping the compiled ones for the next run."""
-    cached = model.__dict__.get(_CACHE)
-    if cached is not None:
-        cached["compiled"] = {name: getattr(model, name) for name in COMPILED_FUNCTIONS}
-    compat_remove_steps(model)
+    remove_cached_steps(model)
 
 
 __all__ = [

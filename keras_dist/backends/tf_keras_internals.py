@@ -137,6 +137,13 @@ def _maybe_symbolic_build(model: Any, iterator: Any = None, data_batch: Any = No
     strategy = model._distribute_strategy
     if strategy is None:
         return None
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:
+        # An optimizer from a `compile()` outside the strategy's scope (say,
+        # after a keras_dist call mirrored the model) belongs to the default
+        # strategy, and building it in this scope raises "Mixing different
+        # tf.distribute.Strategy objects". Its variables do not exist yet.
+        optimizer._distribution_strategy = strategy
     if iterator is not None:
         for _, _, it in iterator:
             data_batch = keras.tree.map_structure(
