@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import keras
@@ -247,16 +249,19 @@ def uses_keras_compute_metrics(model: Any) -> bool:
 
 
 class GlobalBatchNorm:
-    """BatchNormalization's training statistics over the global batch.
+    """BatchNormalization's training statistics over the real rows of the batch.
 
     One device normalizes a batch with the mean and variance of all its rows.
     Split over replicas, each would use its own share's (like torch DDP without
     `SyncBatchNorm`, or `tf.distribute` without `synchronized=True`), and a
     padded last batch would count its padding rows. While `install`ed, a
-    layer's `_moments` instead sums each replica's real rows (sums, sums of
-    squares, counts) with `sum_over_replicas` -- an all-reduce whose gradient is
-    the all-reduce of the gradients, or nothing where arrays are already global
-    (JAX) -- and uses Keras' formula, so N replicas match one device.
+    layer's `_moments` leaves the padding rows out and, with a `Replicas` that
+    sums over replicas, combines every replica's count, mean and sum of squared
+    deviations (the parallel form of the two-pass variance, as torch's
+    `SyncBatchNorm` does; stable for inputs far from zero) -- one all-reduce
+    whose gradient is the all-reduce of the gradients -- so N replicas match
+    one device. With `Replicas()` (one replica: JAX's global arrays, or
+    per-replica statistics by choice) it only leaves the padding out.
 
     Only inside `rows(mask)`, which the keras_dist train steps enter with their
     batch's row mask; anything else running the layer in training mode gets
@@ -264,19 +269,29 @@ class GlobalBatchNorm:
     The mask is per thread: `MirroredStrategy` runs each replica in a thread.
     """
 
+    @dataclass(frozen=True)
+    class Replicas:
+        """How a replica reaches the others: `sum` adds a tensor over all of
+        them (differentiably); `index()` and `count` say which one it is."""
+
+        sum: Callable[[Any], Any] = lambda tensor: tensor
+        index: Callable[[], Any] = lambda: 0
+        count: int = 1
+
     _current = threading.local()
 
     @classmethod
     @contextlib.contextmanager
     def rows(cls, mask: Any) -> Iterator[None]:
+        previous = getattr(cls._current, "mask", None)
         cls._current.mask = mask
         try:
             yield
         finally:
-            cls._current.mask = None
+            cls._current.mask = previous
 
     @classmethod
-    def install(cls, model: Any, sum_over_replicas: Callable[[Any], Any]) -> list:
+    def install(cls, model: Any, replicas: GlobalBatchNorm.Replicas) -> list:
         """Returns the layers changed, for `uninstall`."""
         layers = [
             layer
@@ -287,7 +302,7 @@ class GlobalBatchNorm:
             # On the instance, past Keras' attribute tracking; the class' method
             # comes back when it is removed.
             layer.__dict__["_moments"] = functools.partial(
-                cls._moments, layer, sum_over_replicas
+                cls._moments, layer, replicas
             )
         return layers
 
@@ -296,60 +311,84 @@ class GlobalBatchNorm:
         for layer in layers:
             layer.__dict__.pop("_moments", None)
 
+    @staticmethod
+    def _row_weights(layer: Any, rows: Any, inputs: Any) -> Any:
+        """The row mask, shaped to broadcast against `inputs`."""
+        ops = keras.ops
+        batch, share = inputs.shape[0], rows.shape[0]
+        if batch is not None and share is not None and batch != share:
+            # The layer sees another first axis than the batch's rows (say, two
+            # views stacked): fine without padding, wrong with it.
+            try:
+                padded = not bool(ops.all(rows > 0))
+            except Exception:  # traced (JAX, tf.function): cannot look now
+                padded = False
+                warnings.warn(
+                    f"BatchNormalization layer {layer.name!r} gets inputs of shape "
+                    f"{tuple(inputs.shape)}, whose first axis is not the batch's "
+                    f"{share} rows: if a batch is padded (it does not divide the "
+                    "devices), its padding rows count in this layer's statistics.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            if padded:
+                raise NotImplementedError(
+                    f"BatchNormalization layer {layer.name!r} gets inputs of shape "
+                    f"{tuple(inputs.shape)}, whose first axis is not the batch's "
+                    f"{share} rows, so keras_dist cannot leave the padding rows of "
+                    "an uneven batch out of its statistics. Use a global batch "
+                    "that divides the dataset and the devices, or "
+                    "`DataParallel(sync_batch_norm=False)`."
+                )
+            rows = ops.ones((batch,), inputs.dtype)
+        rows = ops.cast(rows, inputs.dtype)
+        return ops.reshape(rows, (-1,) + (1,) * (len(inputs.shape) - 1))
+
     @classmethod
     def _moments(
-        cls, layer: Any, sum_over_replicas: Callable, inputs: Any, mask: Any
+        cls, layer: Any, replicas: GlobalBatchNorm.Replicas, inputs: Any, mask: Any
     ) -> tuple[Any, Any]:
         rows = getattr(cls._current, "mask", None)
         if rows is None:
             return type(layer)._moments(layer, inputs, mask)
         ops = keras.ops
         axes = tuple(layer._reduction_axes)
-        batch, share = inputs.shape[0], rows.shape[0]
-        rows = ops.cast(rows, inputs.dtype)
-        if batch is not None and share is not None and batch != share:
-            if batch % share:
-                raise NotImplementedError(
-                    f"BatchNormalization layer {layer.name!r} gets inputs of shape "
-                    f"{tuple(inputs.shape)}, whose first axis is not the batch's "
-                    f"{share} rows (or a multiple, as TimeDistributed makes), so "
-                    "keras_dist cannot normalize it over the global batch."
-                )
-            rows = ops.repeat(rows, batch // share)  # TimeDistributed: row-major
+        weight = cls._row_weights(layer, rows, inputs)
         if mask is None and 0 in axes:
-            # Per-row sums first (as cheap as Keras' own moments), then the
-            # rows weighted by the row mask.
+            # Per-row sums first: as many passes over the inputs as Keras' own.
             others = tuple(axis for axis in axes if axis != 0)
-            per_row = ops.sum(inputs, others, keepdims=True) if others else inputs
-            squares = ops.square(inputs)
-            per_row_squares = (
-                ops.sum(squares, others, keepdims=True) if others else squares
-            )
-            weight = ops.reshape(rows, (-1,) + (1,) * (len(inputs.shape) - 1))
-            # Positions per row and channel (works for unknown static shapes).
-            positions = ops.cast(ops.size(inputs), inputs.dtype) / ops.cast(
-                ops.size(per_row), inputs.dtype
-            )
-            count = ops.sum(weight, 0, keepdims=True) * positions
-            local = [
-                ops.sum(per_row * weight, 0, keepdims=True),
-                ops.sum(per_row_squares * weight, 0, keepdims=True),
-                ops.broadcast_to(count, ops.shape(per_row[:1])),
-            ]
+
+            def over_rows(values: Any) -> Any:
+                per_row = ops.sum(values, others, keepdims=True) if others else values
+                return ops.sum(per_row * weight, 0, keepdims=True)
+
+            ones = ops.ones_like(inputs[:1])
+            count = over_rows(ops.broadcast_to(ones, ops.shape(inputs)))
         else:
-            weight = ops.reshape(rows, (-1,) + (1,) * (len(inputs.shape) - 1))
             if mask is not None:
                 weight = weight * ops.expand_dims(ops.cast(mask, inputs.dtype), -1)
             weight = ops.broadcast_to(weight, ops.shape(inputs))
-            local = [
-                ops.sum(inputs * weight, axes, keepdims=True),
-                ops.sum(ops.square(inputs) * weight, axes, keepdims=True),
-                ops.sum(weight, axes, keepdims=True),
-            ]
-        total = sum_over_replicas(ops.stack(local))
-        count = ops.maximum(total[2], 1.0)
-        mean = total[0] / count
-        variance = total[1] / count - ops.square(mean)
+
+            def over_rows(values: Any) -> Any:
+                return ops.sum(values * weight, axes, keepdims=True)
+
+            count = over_rows(ops.ones_like(inputs))
+        # This replica's count, mean and sum of squared deviations.
+        mean = over_rows(inputs) / ops.maximum(count, 1.0)
+        deviations = over_rows(ops.square(inputs - mean))
+        local = ops.stack([count, mean, deviations])
+        if replicas.count > 1:
+            # Every replica's statistics in one all-reduce: each fills its slot.
+            slot = ops.one_hot(replicas.index(), replicas.count, dtype=local.dtype)
+            slot = ops.reshape(slot, (replicas.count,) + (1,) * len(local.shape))
+            each = replicas.sum(slot * local[None])
+        else:
+            each = local[None]
+        counts, means, deviations = each[:, 0], each[:, 1], each[:, 2]
+        total = ops.sum(counts, 0)
+        mean = ops.sum(counts * means, 0) / ops.maximum(total, 1.0)
+        spread = ops.sum(deviations, 0) + ops.sum(counts * ops.square(means - mean), 0)
+        variance = spread / ops.maximum(total, 1.0)
         return ops.squeeze(mean, axes), ops.squeeze(variance, axes)
 
 

@@ -442,3 +442,21 @@ def test_model_parallel_names_the_op_and_layer_dtensor_cannot_run(tmp_path):
         for case in (with_bias, kernel_only):
             assert "Shard(dim=3)" in case["error"]
             assert case["works_after"] and case["kinds_after"] == ["Parameter"]
+
+
+def test_model_parallel_callbacks_assign_weights_and_model_errors_keep_their_type(
+    tmp_path,
+):
+    """EarlyStopping(restore_best_weights=True) and set_weights() during a
+    sharded call, listed before the DistributeCallback, train like one device;
+    an error raised by the model's own code is not reported as DTensor's."""
+    results = run_job(
+        "torch_worker.py",
+        ["model_parallel_callbacks"],
+        processes=2,
+        env=TORCH,
+        output_dir=tmp_path,
+    )
+    for result in results:
+        assert result["max_difference"] < 1e-5
+        assert result["own_error"].startswith("ValueError: the model's own check")

@@ -163,7 +163,9 @@ class JaxAdapter(BackendAdapter):
         internals.install_steps(model, distribution, trim_outputs, jax.value_and_grad)
         # BatchNormalization statistics over the real rows of the global batch;
         # the step's arrays are global already, so nothing needs summing.
-        self._batch_norms[id(model)] = GlobalBatchNorm.install(model, lambda x: x)
+        self._batch_norms[id(model)] = GlobalBatchNorm.install(
+            model, GlobalBatchNorm.Replicas()
+        )
 
     def deactivate(self, model: Any) -> None:
         GlobalBatchNorm.uninstall(self._batch_norms.pop(id(model), []))

@@ -310,11 +310,18 @@ class TensorFlowAdapter(BackendAdapter):
         undo.append(
             internals.fuse_gradient_all_reduce(getattr(model, "optimizer", None))
         )
-        # BatchNormalization statistics over the real rows of the global
-        # batch: each replica's sums are added in one all-reduce.
-        if getattr(distribution, "sync_batch_norm", True):
-            batch_norms = GlobalBatchNorm.install(model, _sum_over_replicas)
-            undo.append(lambda: GlobalBatchNorm.uninstall(batch_norms))
+        # BatchNormalization leaves padding rows out and, by default,
+        # normalizes over the whole global batch (one all-reduce per layer).
+        together = GlobalBatchNorm.Replicas(
+            sum=_sum_over_replicas,
+            index=_replica_index,
+            count=strategy.num_replicas_in_sync,
+        )
+        sync = getattr(distribution, "sync_batch_norm", True)
+        batch_norms = GlobalBatchNorm.install(
+            model, together if sync else GlobalBatchNorm.Replicas()
+        )
+        undo.append(lambda: GlobalBatchNorm.uninstall(batch_norms))
         internals.route_batches(batches_for_epoch)
         # The traced steps of the previous call are reused when nothing they
         # depend on changed: no retracing (about a second) at every call.
@@ -326,6 +333,10 @@ class TensorFlowAdapter(BackendAdapter):
         internals.unroute_batches()
         for undo in self._runs.pop(id(model), []):
             undo()
+
+
+def _replica_index() -> Any:
+    return tf.distribute.get_replica_context().replica_id_in_sync_group
 
 
 def _sum_over_replicas(value: Any) -> Any:

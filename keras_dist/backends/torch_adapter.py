@@ -231,6 +231,16 @@ class TorchAdapter(BackendAdapter):
         check_same_input([int(t.item()) for t in everyone])
 
     def activate(self, model: Any, distribution: Any) -> None:
+        try:
+            self._activate(model, distribution)
+        except BaseException:
+            # Nothing half-done stays behind: sharded variables are gathered
+            # back, patches and hooks removed.
+            if id(model) in _sharded_runs or id(model) in self._output_layouts:
+                self.deactivate(model)
+            raise
+
+    def _activate(self, model: Any, distribution: Any) -> None:
         dtensors = self._check_layouts(model, distribution)
         world_size, rank = self._world()
         if dtensors:
@@ -310,10 +320,16 @@ class TorchAdapter(BackendAdapter):
 
         self._output_layouts[id(model)] = internals.route_output_layouts(relayout)
         install_steps(model, steps)
-        if replicas > 1 and getattr(distribution, "sync_batch_norm", True):
-            # BatchNormalization normalizes over the global batch (SyncBatchNorm).
+        if not dtensors:
+            # BatchNormalization leaves padding rows out and, by default,
+            # normalizes over the whole global batch (SyncBatchNorm). (Sharded
+            # variables: DTensor's own statistics are global, nothing is padded.)
+            together = GlobalBatchNorm.Replicas(
+                sum=differentiable_all_reduce, index=lambda: rank, count=world_size
+            )
+            sync = replicas > 1 and getattr(distribution, "sync_batch_norm", True)
             self._batch_norms[id(model)] = GlobalBatchNorm.install(
-                model, differentiable_all_reduce
+                model, together if sync else GlobalBatchNorm.Replicas()
             )
 
     def deactivate(self, model: Any) -> None:

@@ -199,21 +199,42 @@ def check_batch_axis(distribution: Any) -> None:
         )
 
 
-# -- np.asarray(variable) gathers a DTensor while a run is active --------------
-_numpy_conversions: list[Callable[[], None]] = []
+# -- while a run is active, variables read and assign like plain ones ----------
+# `np.asarray(variable)` (get_weights, checkpoints) gathers a DTensor, and
+# assigning a plain value (set_weights, load_weights, EarlyStopping's restore)
+# keeps this process' part of it. One set of patches for all active runs.
+_variable_patches: list[Callable[[], None]] = []
 
 
-def _gathering_numpy_conversion() -> None:
-    if not _numpy_conversions:
-        _numpy_conversions.append(internals.convert_variables_to_numpy_via(to_full))
+def _as_placed(current: Any, value: Any) -> Any:
+    """`value` laid out like `current` when that is a DTensor: every process
+    holds the whole value, so each keeps its part (no communication)."""
+    if not isinstance(current, DTensor) or isinstance(value, DTensor):
+        return value
+    value = torch.as_tensor(value).to(current.device_mesh.device_type)
+    return distribute_tensor(
+        value, current.device_mesh, current.placements, src_data_rank=None
+    )
+
+
+def _patch_variables() -> None:
+    if not _variable_patches:
+        undo_read = internals.convert_variables_to_numpy_via(to_full)
+        undo_write = internals.assign_variables_via(_as_placed)
+
+        def undo() -> None:
+            undo_write()
+            undo_read()
+
+        _variable_patches.append(undo)
     else:
-        _numpy_conversions.append(_numpy_conversions[-1])
+        _variable_patches.append(_variable_patches[-1])
 
 
-def _restore_numpy_conversion() -> None:
-    if _numpy_conversions:
-        undo = _numpy_conversions.pop()
-        if not _numpy_conversions:
+def _unpatch_variables() -> None:
+    if _variable_patches:
+        undo = _variable_patches.pop()
+        if not _variable_patches:
             undo()
 
 
@@ -318,12 +339,12 @@ class ShardedRun:
                 variable.assign(value)
         internals.retrack_parameters(self.model)
         self._track_layers()
-        _gathering_numpy_conversion()
+        _patch_variables()
         return self
 
     def stop(self) -> None:
         """Gather every variable back into a plain, full tensor (collective)."""
-        _restore_numpy_conversion()
+        _unpatch_variables()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -397,17 +418,16 @@ class ShardedRun:
         }
 
     def _in_sharded_layer(self) -> bool:
-        """Whether a layer being called holds a sharded variable."""
+        """Whether the innermost layer being called holds a sharded variable
+        (not an outer one: the model holds them all)."""
+        if not self._layers:
+            return False
         sharded = {
             id(v)
             for v in self._variables
             if any(not p.is_replicate() for p in v.value.placements)
         }
-        return any(
-            id(variable) in sharded
-            for layer in self._layers
-            for variable in layer.weights
-        )
+        return any(id(variable) in sharded for variable in self._layers[-1].weights)
 
     def _failure(self, error: BaseException) -> NotImplementedError:
         op = _failed_op(error) or "an op"

@@ -312,6 +312,23 @@ def convert_variables_to_numpy_via(convert: Callable[[Any], Any]) -> Callable:
     return restore
 
 
+def assign_variables_via(place: Callable[[Any, Any], Any]) -> Callable[[], None]:
+    """Make `variable.assign(value)` write `place(current value, value)`, e.g. a
+    plain value laid out like a DTensor variable; return the undo."""
+    cls = torch_core.Variable
+    original = cls.__dict__["_direct_assign"]
+
+    def _direct_assign(self: Any, value: Any) -> None:
+        original(self, place(self.value, value))
+
+    cls._direct_assign = _direct_assign
+
+    def restore() -> None:
+        cls._direct_assign = original
+
+    return restore
+
+
 def _check_variable_storage() -> list[str]:
     missing = []
     variable = keras.Variable([1.0, 2.0])
@@ -319,6 +336,8 @@ def _check_variable_storage() -> list[str]:
         missing.append("keras.src.backend.torch.core.Variable")
     elif "__array__" not in torch_core.Variable.__dict__:
         missing.append("keras.src.backend.torch.core.Variable.__array__")
+    elif "_direct_assign" not in torch_core.Variable.__dict__:
+        missing.append("keras.src.backend.torch.core.Variable._direct_assign")
     if not hasattr(variable, "_value"):
         missing.append("Variable._value")
     if not hasattr(torch_core, "convert_to_numpy"):

@@ -160,6 +160,63 @@ def unsupported_op() -> dict:
     }
 
 
+def callbacks_and_errors() -> dict:
+    """Callbacks that assign weights during a sharded call, listed before the
+    DistributeCallback (as the Trainer mixin does), against the same fit on
+    one device in this process; and an error of the model's own."""
+    x, y = scenarios.classification_data()
+
+    class AssignBack(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.set_weights(self.model.get_weights())
+
+    def fit(distribution: kd.Distribution | None) -> list:
+        keras.utils.set_random_seed(7)
+        model = scenarios.classification_model()
+        callbacks = [
+            keras.callbacks.EarlyStopping(
+                monitor="loss", patience=5, restore_best_weights=True
+            ),
+            AssignBack(),
+        ]
+        if distribution is not None:
+            callbacks.append(kd.DistributeCallback(distribution))
+        model.fit(
+            x, y, batch_size=12, epochs=3, shuffle=False, verbose=0, callbacks=callbacks
+        )
+        return model.get_weights()
+
+    sharded = fit(_model_parallel())
+    one_device = fit(None)
+
+    class Check(keras.layers.Layer):
+        def call(self, inputs, training=None):
+            if training:
+                raise ValueError("the model's own check failed")
+            return inputs
+
+    keras.utils.set_random_seed(7)
+    failing = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(16, name="dense"), Check()]
+    )
+    failing.compile(optimizer="adam", loss="mse")
+    callback = kd.DistributeCallback(_model_parallel())
+    try:
+        failing.fit(x, y[:, :1], batch_size=12, verbose=0, callbacks=[callback])
+        error = None
+    except Exception as raised:
+        error = f"{type(raised).__name__}: {raised}"
+    finally:
+        callback.close()
+    return {
+        "max_difference": max(
+            float(np.max(np.abs(ours - theirs)))
+            for ours, theirs in zip(sharded, one_device, strict=True)
+        ),
+        "own_error": error,
+    }
+
+
 def run(scenario: str) -> dict:
     if scenario == "model_parallel":
         return train(sharded=True)
@@ -167,6 +224,8 @@ def run(scenario: str) -> dict:
         return train(sharded=True, batch=2)
     if scenario == "model_parallel_reference":
         return train(sharded=False)
+    if scenario == "model_parallel_callbacks":
+        return callbacks_and_errors()
     if scenario == "model_parallel_unsupported_op":
         return unsupported_op()
     raise ValueError(f"Unknown ModelParallel scenario: {scenario!r}")
