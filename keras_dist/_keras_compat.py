@@ -282,13 +282,20 @@ class GlobalBatchNorm:
 
     @classmethod
     @contextlib.contextmanager
-    def rows(cls, mask: Any) -> Iterator[None]:
-        previous = getattr(cls._current, "mask", None)
-        cls._current.mask = mask
+    def rows(cls, mask: Any, padded: bool = True) -> Iterator[None]:
+        """Inside: the step's batch has row mask `mask`; `padded=False` (when
+        the caller knows no row is padding) lets one replica use Keras' own,
+        cheaper moments."""
+        previous = getattr(cls._current, "mask", None), cls._padded()
+        cls._current.mask, cls._current.padded = mask, padded
         try:
             yield
         finally:
-            cls._current.mask = previous
+            cls._current.mask, cls._current.padded = previous
+
+    @classmethod
+    def _padded(cls) -> bool:
+        return getattr(cls._current, "padded", True)
 
     @classmethod
     def install(cls, model: Any, replicas: GlobalBatchNorm.Replicas) -> list:
@@ -349,7 +356,7 @@ class GlobalBatchNorm:
         cls, layer: Any, replicas: GlobalBatchNorm.Replicas, inputs: Any, mask: Any
     ) -> tuple[Any, Any]:
         rows = getattr(cls._current, "mask", None)
-        if rows is None:
+        if rows is None or (replicas.count == 1 and not cls._padded()):
             return type(layer)._moments(layer, inputs, mask)
         ops = keras.ops
         axes = tuple(layer._reduction_axes)
@@ -362,8 +369,12 @@ class GlobalBatchNorm:
                 per_row = ops.sum(values, others, keepdims=True) if others else values
                 return ops.sum(per_row * weight, 0, keepdims=True)
 
-            ones = ops.ones_like(inputs[:1])
-            count = over_rows(ops.broadcast_to(ones, ops.shape(inputs)))
+            total = over_rows(inputs)
+            # Rows times positions per row, without a pass over the inputs.
+            positions = ops.cast(ops.size(inputs[:1]), inputs.dtype) / ops.cast(
+                ops.size(total), inputs.dtype
+            )
+            count = ops.ones_like(total) * ops.sum(weight) * positions
         else:
             if mask is not None:
                 weight = weight * ops.expand_dims(ops.cast(mask, inputs.dtype), -1)
@@ -373,8 +384,9 @@ class GlobalBatchNorm:
                 return ops.sum(values * weight, axes, keepdims=True)
 
             count = over_rows(ops.ones_like(inputs))
+            total = over_rows(inputs)
         # This replica's count, mean and sum of squared deviations.
-        mean = over_rows(inputs) / ops.maximum(count, 1.0)
+        mean = total / ops.maximum(count, 1.0)
         deviations = over_rows(ops.square(inputs - mean))
         local = ops.stack([count, mean, deviations])
         if replicas.count > 1:

@@ -85,3 +85,22 @@ def test_a_first_axis_other_than_the_rows_with_padding_is_refused_eagerly():
             x,
             np.array([1, 1, 1, 0], "float32"),
         )
+
+
+def test_a_batch_known_to_have_no_padding_uses_keras_own_moments():
+    layer = keras.layers.BatchNormalization()
+    model = keras.Sequential([layer])
+    x = np.random.default_rng(3).normal(size=(4, 3)).astype("float32")
+    model.build(x.shape)
+    tensor = keras.ops.convert_to_tensor(x)
+    layers = GlobalBatchNorm.install(model, GlobalBatchNorm.Replicas())
+    try:
+        with GlobalBatchNorm.rows(keras.ops.ones((4,)), padded=False):
+            ours = layer._moments(tensor, None)
+    finally:
+        GlobalBatchNorm.uninstall(layers)
+    keras_own = type(layer)._moments(layer, tensor, None)
+    for a, b in zip(ours, keras_own, strict=True):
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)
+        )

@@ -198,7 +198,7 @@ def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
     def train_step(batch: Any) -> Any:
         x, y, mask, weights, loss_weights = _weights(batch)
         kwargs = {"training": True} if model._call_has_training_arg else {}
-        with GlobalBatchNorm.rows(mask):
+        with GlobalBatchNorm.rows(mask, batch.padded_rows != batch.global_rows):
             y_pred = collectives.forward(x, **kwargs)
         model.zero_grad()
         loss = model._compute_loss(
