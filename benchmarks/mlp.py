@@ -50,16 +50,18 @@ def fit_steps(
     x: np.ndarray,
     y: np.ndarray,
     own_callbacks: Callable[[], list] = list,
+    *,
+    batch_size: int = GLOBAL_BATCH,
 ) -> Callable[[int, list], keras.callbacks.History]:
     """A candidate's `fit(steps, callbacks)`: `steps` global batches of `x, y`,
     in order, with `own_callbacks()` ahead of the harness' callbacks."""
 
     def fit(steps: int, callbacks: list) -> keras.callbacks.History:
-        rows = steps * GLOBAL_BATCH
+        rows = steps * batch_size
         return model.fit(
             x[:rows],
             y[:rows],
-            batch_size=GLOBAL_BATCH,
+            batch_size=batch_size,
             shuffle=False,
             verbose=0,
             callbacks=[*own_callbacks(), *callbacks],

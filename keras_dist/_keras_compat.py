@@ -248,6 +248,11 @@ def uses_keras_compute_metrics(model: Any) -> bool:
     return getattr(own, "__qualname__", "").endswith("Trainer.compute_metrics")
 
 
+def layers_of(model: Any) -> list[Any]:
+    """`model` and every layer in it, nested ones included."""
+    return list(model._flatten_layers(include_self=True, recursive=True))
+
+
 class GlobalBatchNorm:
     """BatchNormalization's training statistics over the real rows of the batch.
 
@@ -302,7 +307,7 @@ class GlobalBatchNorm:
         """Returns the layers changed, for `uninstall`."""
         layers = [
             layer
-            for layer in model._flatten_layers(include_self=False, recursive=True)
+            for layer in layers_of(model)
             if isinstance(layer, keras.layers.BatchNormalization)
         ]
         for layer in layers:

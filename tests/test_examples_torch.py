@@ -28,27 +28,22 @@ def _clean_environment() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def launched() -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "keras_dist",
-        "launch",
-        "--nproc-per-node",
-        "2",
-        str(EXAMPLE),
-        "--epochs",
-        "4",
-    ]
+def _launch(example: pathlib.Path) -> subprocess.CompletedProcess:
+    """`keras-dist launch --nproc-per-node 2 example --epochs 4`."""
+    command = [sys.executable, "-m", "keras_dist", "launch", "--nproc-per-node", "2"]
     return subprocess.run(
-        command,
+        [*command, str(example), "--epochs", "4"],
         cwd=REPO_ROOT,
         env=_clean_environment(),
         capture_output=True,
         text=True,
         timeout=240,
     )
+
+
+@pytest.fixture(scope="module")
+def launched() -> subprocess.CompletedProcess:
+    return _launch(EXAMPLE)
 
 
 def _final_lines(stdout: str) -> dict[int, tuple[float, str]]:
@@ -94,24 +89,7 @@ def test_only_rank_zero_reports_progress(launched):
 
 def test_model_parallel_example_shards_and_every_rank_ends_with_the_same_weights():
     """`examples/torch_model_parallel.py` under `keras-dist launch`, 2 processes."""
-    launched = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "keras_dist",
-            "launch",
-            "--nproc-per-node",
-            "2",
-            str(REPO_ROOT / "examples" / "torch_model_parallel.py"),
-            "--epochs",
-            "4",
-        ],
-        cwd=REPO_ROOT,
-        env=_clean_environment(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    launched = _launch(REPO_ROOT / "examples" / "torch_model_parallel.py")
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     final = _final_lines(launched.stdout)
     assert sorted(final) == [0, 1], launched.stdout

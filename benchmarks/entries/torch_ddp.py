@@ -59,6 +59,7 @@ from benchmarks.harness import (  # noqa: E402
     run_interleaved,
     write_result,
 )
+from benchmarks.mlp import fit_steps  # noqa: E402
 
 PROCESSES = 2
 GLOBAL_BATCH = 128
@@ -130,18 +131,10 @@ def main() -> None:
     def keras_dist_fit(distribution: kd.DataParallel) -> tuple[keras.Model, Any]:
         model = build_model()
 
-        def fit(steps: int, callbacks: list) -> keras.callbacks.History:
-            rows = steps * GLOBAL_BATCH
-            return model.fit(
-                x[:rows],
-                y[:rows],
-                batch_size=GLOBAL_BATCH,
-                shuffle=False,
-                verbose=0,
-                callbacks=[kd.DistributeCallback(distribution), *callbacks],
-            )
+        def callbacks() -> list:
+            return [kd.DistributeCallback(distribution)]
 
-        return model, fit
+        return model, fit_steps(model, x, y, callbacks, batch_size=GLOBAL_BATCH)
 
     # Per-process batch statistics, as the loop computes them.
     kd_model, fit_kd = keras_dist_fit(kd.DataParallel(sync_batch_norm=False))

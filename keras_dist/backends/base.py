@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Callable
 from typing import Any
+
+from keras_dist._keras_compat import GlobalBatchNorm
 
 
 class BackendAdapter(abc.ABC):
@@ -23,9 +26,22 @@ class BackendAdapter(abc.ABC):
     name: str = ""
 
     def __init__(self) -> None:
-        # id(model) -> its BatchNormalization layers that normalize over the
-        # global batch while a call runs (`_keras_compat.GlobalBatchNorm`).
-        self._batch_norms: dict[int, list[Any]] = {}
+        # id(model) -> what undoes its activation, in the order it was done.
+        self._undo: dict[int, list[Callable[[], None]]] = {}
+
+    def _on_deactivate(self, model: Any, undo: Callable[[], None]) -> None:
+        """Have `deactivate(model)` call `undo` (last registered, first run)."""
+        self._undo.setdefault(id(model), []).append(undo)
+
+    def _undo_activation(self, model: Any) -> None:
+        for undo in reversed(self._undo.pop(id(model), [])):
+            undo()
+
+    def _normalize_batches(self, model: Any, replicas: Any) -> None:
+        """BatchNormalization over the real rows of the batch across `replicas`
+        (a `GlobalBatchNorm.Replicas`) until `deactivate(model)`."""
+        layers = GlobalBatchNorm.install(model, replicas)
+        self._on_deactivate(model, lambda: GlobalBatchNorm.uninstall(layers))
 
     # -- devices and processes -------------------------------------------------
     @abc.abstractmethod

@@ -160,17 +160,15 @@ class JaxAdapter(BackendAdapter):
                 )
 
         internals.route_batches(batches_for_epoch)
+        self._on_deactivate(model, internals.unroute_batches)
         internals.install_steps(model, distribution, trim_outputs, jax.value_and_grad)
+        self._on_deactivate(model, lambda: internals.remove_steps(model))
         # BatchNormalization statistics over the real rows of the global batch;
         # the step's arrays are global already, so nothing needs summing.
-        self._batch_norms[id(model)] = GlobalBatchNorm.install(
-            model, GlobalBatchNorm.Replicas()
-        )
+        self._normalize_batches(model, GlobalBatchNorm.Replicas())
 
     def deactivate(self, model: Any) -> None:
-        GlobalBatchNorm.uninstall(self._batch_norms.pop(id(model), []))
-        internals.remove_steps(model)
-        internals.unroute_batches()
+        self._undo_activation(model)
 
 
 def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:

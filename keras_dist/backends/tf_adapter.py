@@ -62,7 +62,6 @@ class TensorFlowAdapter(BackendAdapter):
         self._multi_worker: Any = None
         self._worker_index = 0
         self._num_workers = 1
-        self._runs: dict[int, list[Any]] = {}
 
     def simulate_cpu_devices(self, count: int) -> None:
         cpus = tf.config.list_physical_devices("CPU")
@@ -306,9 +305,10 @@ class TensorFlowAdapter(BackendAdapter):
                 worker_index=self._worker_index,
             )
 
-        undo = [internals.manage(strategy)]
-        undo.append(
-            internals.fuse_gradient_all_reduce(getattr(model, "optimizer", None))
+        self._on_deactivate(model, internals.manage(strategy))
+        self._on_deactivate(
+            model,
+            internals.fuse_gradient_all_reduce(getattr(model, "optimizer", None)),
         )
         # BatchNormalization leaves padding rows out and, by default,
         # normalizes over the whole global batch (one all-reduce per layer).
@@ -318,21 +318,16 @@ class TensorFlowAdapter(BackendAdapter):
             count=strategy.num_replicas_in_sync,
         )
         sync = getattr(distribution, "sync_batch_norm", True)
-        batch_norms = GlobalBatchNorm.install(
-            model, together if sync else GlobalBatchNorm.Replicas()
-        )
-        undo.append(lambda: GlobalBatchNorm.uninstall(batch_norms))
+        self._normalize_batches(model, together if sync else GlobalBatchNorm.Replicas())
         internals.route_batches(batches_for_epoch)
+        self._on_deactivate(model, internals.unroute_batches)
         # The traced steps of the previous call are reused when nothing they
         # depend on changed: no retracing (about a second) at every call.
         install_cached_steps(model, distribution, lambda: internals.make_steps(model))
-        self._runs[id(model)] = undo
+        self._on_deactivate(model, lambda: remove_cached_steps(model))
 
     def deactivate(self, model: Any) -> None:
-        remove_cached_steps(model)
-        internals.unroute_batches()
-        for undo in self._runs.pop(id(model), []):
-            undo()
+        self._undo_activation(model)
 
 
 def _replica_index() -> Any:

@@ -40,9 +40,6 @@ from keras_dist.backends.torch_input_adapter import (
 )
 from keras_dist.padding import check_same_input
 
-# id(model) -> its variables sharded as DTensors for the run (ModelParallel).
-_sharded_runs: dict[int, Any] = {}
-
 
 def _dtensor() -> Any:
     """keras_dist's DTensor module, imported only when a layout names a mesh
@@ -63,11 +60,6 @@ def _accelerator_type() -> str | None:
 
 class TorchAdapter(BackendAdapter):
     name = "torch"
-
-    def __init__(self) -> None:
-        super().__init__()
-        # id(model) -> the undo of its layer-output relayout routing.
-        self._output_layouts: dict[int, Any] = {}
 
     def simulate_cpu_devices(self, count: int) -> None:
         if count != 1:
@@ -236,8 +228,7 @@ class TorchAdapter(BackendAdapter):
         except BaseException:
             # Nothing half-done stays behind: sharded variables are gathered
             # back, patches and hooks removed.
-            if id(model) in _sharded_runs or id(model) in self._output_layouts:
-                self.deactivate(model)
+            self._undo_activation(model)
             raise
 
     def _activate(self, model: Any, distribution: Any) -> None:
@@ -247,7 +238,8 @@ class TorchAdapter(BackendAdapter):
             # Variables become DTensors (process 0's values); every process
             # computes on each whole global batch: one replica, data not split.
             run = _dtensor().ShardedRun(model, distribution).start()
-            _sharded_runs[id(model)] = run
+            # At the end: back to plain, full tensors, an ordinary Keras model.
+            self._on_deactivate(model, run.stop)
             collectives = _dtensor().collectives(model)
             replicas, replica = 1, 0
         else:
@@ -309,17 +301,19 @@ class TorchAdapter(BackendAdapter):
             )
 
         internals.route_batches(batches_for_epoch)
+        self._on_deactivate(model, internals.unroute_batches)
         steps = internals.make_steps(model, collectives)
         if dtensors:
-            steps = _sharded_runs[id(model)].wrap_steps(steps)
-            relayout = _sharded_runs[id(model)].relayout
+            steps = run.wrap_steps(steps)
+            relayout = run.relayout
         else:
             # Replicated variables: each process' tensors are its own rows.
             def relayout(tensor: Any, layout: Any) -> Any:
                 return tensor
 
-        self._output_layouts[id(model)] = internals.route_output_layouts(relayout)
+        self._on_deactivate(model, internals.route_output_layouts(relayout))
         install_steps(model, steps)
+        self._on_deactivate(model, lambda: remove_steps(model))
         if not dtensors:
             # BatchNormalization leaves padding rows out and, by default,
             # normalizes over the whole global batch (SyncBatchNorm). (Sharded
@@ -328,19 +322,12 @@ class TorchAdapter(BackendAdapter):
                 sum=differentiable_all_reduce, index=lambda: rank, count=world_size
             )
             sync = replicas > 1 and getattr(distribution, "sync_batch_norm", True)
-            self._batch_norms[id(model)] = GlobalBatchNorm.install(
+            self._normalize_batches(
                 model, together if sync else GlobalBatchNorm.Replicas()
             )
 
     def deactivate(self, model: Any) -> None:
-        self._output_layouts.pop(id(model), lambda: None)()
-        GlobalBatchNorm.uninstall(self._batch_norms.pop(id(model), []))
-        remove_steps(model)
-        internals.unroute_batches()
-        run = _sharded_runs.pop(id(model), None)
-        if run is not None:
-            # Back to plain, full tensors: an ordinary Keras model again.
-            run.stop()
+        self._undo_activation(model)
 
 
 ADAPTER = TorchAdapter()

@@ -51,7 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from keras_dist._keras_compat import slot_owners
+from keras_dist._keras_compat import layers_of, slot_owners
 from keras_dist.backends import torch_keras_internals as internals
 
 _meshes: dict[tuple, TorchDeviceMesh] = {}
@@ -406,7 +406,7 @@ class ShardedRun:
                 return keras.tree.map_structure(to_full, outputs)
             return None
 
-        for layer in internals.layers_of(self.model):
+        for layer in layers_of(self.model):
             self._hooks.append(layer.register_forward_pre_hook(enter))
             self._hooks.append(layer.register_forward_hook(leave))
 

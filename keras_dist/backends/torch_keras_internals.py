@@ -25,6 +25,7 @@ from keras.src.trainers.data_adapters import (
 from keras_dist._keras_compat import (
     EpochRouting,
     GlobalBatchNorm,
+    layers_of,
     update_compiled_metrics,
     uses_keras_compute_metrics,
 )
@@ -280,11 +281,6 @@ def set_variable_storage(variable: Any, parameter: Any) -> None:
     variable._value = parameter
 
 
-def layers_of(model: Any) -> list[Any]:
-    """`model` and every layer in it, nested ones included."""
-    return list(model._flatten_layers(include_self=True, recursive=True))
-
-
 def retrack_parameters(model: Any) -> None:
     """Point each layer's torch parameters (`model.parameters()`, what
     `zero_grad` clears) at its variables' current values."""
@@ -344,8 +340,6 @@ def _check_variable_storage() -> list[str]:
         missing.append("keras.src.backend.torch.core.convert_to_numpy")
     layer = keras.layers.Dense(1)
     layer.build((None, 2))
-    if not hasattr(layer, "_flatten_layers"):
-        missing.append("Layer._flatten_layers")
     if not hasattr(layer, "_torch_params") or not callable(
         getattr(layer, "_track_variables", None)
     ):
