@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -16,6 +17,9 @@ from typing import Any
 
 import keras
 import numpy as np
+from keras.src.trainers import compile_utils
+
+from keras_dist.custom_steps import current_rows
 
 # Keras does not export the policies' base class; it is the common base of
 # its DataParallel and ModelParallel.
@@ -44,53 +48,23 @@ def numpy_random_stream(stream: np.random.RandomState | None) -> Iterator[None]:
 
 # Callbacks that only write files; in a multi-process job only process 0 runs
 # them. (ModelCheckpoint is not among them: reading arrays that span processes
-# is collective, so every process must save; see `save_to_scratch`.)
+# is collective, so every process must save; see `keras_dist.saving`.)
 FILE_WRITING_CALLBACKS = (
     keras.callbacks.CSVLogger,
     keras.callbacks.TensorBoard,
 )
 
 
-def save_to_scratch(model: Any) -> Callable[[], None]:
-    """Make `model.save` and `model.save_weights` write to a scratch directory
-    that is deleted at once; return the function that undoes it.
-
-    Used on processes other than 0: they still read every variable (which is
-    collective when arrays span processes) so that process 0's checkpoint does
-    not wait for them, but only process 0's file is kept.
-    """
-    import os  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
-    cls = type(model)
-
-    def redirect(method_name: str) -> Callable[..., Any]:
-        method = getattr(cls, method_name)
-
-        def to_scratch(filepath: Any, *args: Any, **kwargs: Any) -> Any:
-            with tempfile.TemporaryDirectory(prefix="keras_dist_scratch_") as scratch:
-                target = os.path.join(scratch, os.path.basename(str(filepath)))
-                return method(model, target, *args, **kwargs)
-
-        return to_scratch
-
-    for name in ("save", "save_weights"):
-        object.__setattr__(model, name, redirect(name))
-
-    def restore() -> None:
-        for name in ("save", "save_weights"):
-            model.__dict__.pop(name, None)
-
-    return restore
-
-
 def _do_nothing(self: Any, *args: Any, **kwargs: Any) -> None:
     return None
 
 
-def silence_callbacks(classes: tuple[type, ...]) -> Callable[[], None]:
-    """Make every callback of `classes` do nothing in this process; return the
-    function that restores them.
+def silence_callbacks(
+    classes: tuple[type, ...], also: tuple[str, ...] = ()
+) -> Callable[[], None]:
+    """Make every callback of `classes` do nothing in this process (its `on_*`
+    methods and the methods named in `also`); return the function that
+    restores them.
 
     Called on processes other than 0 for the duration of a distributed call, so
     progress, logs and checkpoints of replicated state appear once. Patching the
@@ -100,7 +74,9 @@ def silence_callbacks(classes: tuple[type, ...]) -> Callable[[], None]:
     saved: list[tuple[type, str, Any]] = []
     for cls in classes:
         for name in dir(cls):
-            if name.startswith("on_") and callable(getattr(cls, name)):
+            if (name.startswith("on_") or name in also) and callable(
+                getattr(cls, name)
+            ):
                 saved.append((cls, name, cls.__dict__.get(name)))
                 setattr(cls, name, _do_nothing)
 
@@ -112,6 +88,119 @@ def silence_callbacks(classes: tuple[type, ...]) -> Callable[[], None]:
                 setattr(cls, name, original)
 
     return restore
+
+
+# -- one writer in a multi-process job --------------------------------------------
+# Keras' functions behind `Model.save`, `Model.save_weights`, `keras.saving.*`
+# and `keras.models.save_model` (the `Model` methods call them by module).
+SAVING_FUNCTIONS = ("save_model", "save_weights")
+
+
+def wrap_saving_functions(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]):
+    """Replace Keras' `save_model(model, filepath, ...)` and
+    `save_weights(model, filepath, ...)` with `wrap(original)`, wherever Keras
+    exports them (idempotent)."""
+    from keras.src.saving import saving_api  # noqa: PLC0415
+
+    for name in SAVING_FUNCTIONS:
+        original = getattr(saving_api, name)
+        if getattr(original, "_keras_dist_wrapped", False):
+            continue
+        wrapped = wrap(original)
+        wrapped._keras_dist_wrapped = True
+        setattr(saving_api, name, wrapped)
+        for namespace in (keras.saving, keras.models):
+            if getattr(namespace, name, None) is original:
+                setattr(namespace, name, wrapped)
+
+
+def one_writer_backup_and_restore(
+    is_writer: Callable[[], bool], barrier: Callable[[str], None]
+) -> None:
+    """Make `keras.callbacks.BackupAndRestore` write and delete its backup on
+    the writer process only, the others waiting at `barrier` until it is done
+    (idempotent).
+
+    Every process still reads the backup when training starts (the directory
+    must be one they all see) and still calls `save_weights` when the writer
+    does, so that reads of variables spanning processes, which are collective,
+    happen on all of them.
+    """
+    from keras.src.utils import file_utils  # noqa: PLC0415
+
+    cls = keras.callbacks.BackupAndRestore
+    if getattr(cls._save_model, "_keras_dist_wrapped", False):
+        return
+    save_backup, delete_backup = cls._save_model, cls.on_train_end
+
+    def on_train_begin(self: Any, logs: Any = None) -> None:
+        # Keras' own, with the repair of an unreadable backup from the previous
+        # one done by the writer alone.
+        try:
+            self._load_model()
+        except OSError:
+            if not file_utils.exists(self._prev_weights_path):
+                raise
+            if is_writer():
+                file_utils.copy(self._prev_weights_path, self._weights_path)
+                if file_utils.exists(self._prev_training_metadata_path):
+                    file_utils.copy(
+                        self._prev_training_metadata_path,
+                        self._training_metadata_path,
+                    )
+                elif file_utils.exists(self._training_metadata_path):
+                    file_utils.remove(self._training_metadata_path)
+            barrier(f"BackupAndRestore repair {self.backup_dir}")
+            self._load_model()
+
+    def _save_model(self: Any) -> None:
+        if is_writer():
+            save_backup(self)
+        else:
+            self.model.save_weights(self._weights_path, overwrite=True)
+        barrier(f"BackupAndRestore save {self.backup_dir}")
+
+    def on_train_end(self: Any, logs: Any = None) -> None:
+        if is_writer():
+            delete_backup(self, logs)
+        barrier(f"BackupAndRestore delete {self.backup_dir}")
+
+    for function in (on_train_begin, _save_model, on_train_end):
+        function._keras_dist_wrapped = True  # type: ignore[attr-defined]
+        setattr(cls, function.__name__, function)
+
+
+# Keras' calls that hand the model to their callbacks (`CallbackList.set_model`).
+MODEL_CALLS = ("fit", "evaluate", "predict")
+
+
+def run_model_calls_within(around: Callable[[Any], Any]) -> None:
+    """Run every model's `fit`, `evaluate` and `predict` inside the context
+    manager `around(model)`, from now on (idempotent).
+
+    Keras tells callbacks when a call ends but not when it raises, so what a
+    callback switched on for the call would outlive a call that raised;
+    `around` can end it in its `finally`. Wrapping `keras.Model` covers
+    Sequential, functional and subclassed models, and overrides that call
+    `super().fit(...)`.
+    """
+    for name in MODEL_CALLS:
+        original = getattr(keras.Model, name)
+        if getattr(original, "_keras_dist_around", None) is not None:
+            continue
+        setattr(keras.Model, name, _call_within(original, around))
+
+
+def _call_within(
+    original: Callable[..., Any], around: Callable[[Any], Any]
+) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with around(self):
+            return original(self, *args, **kwargs)
+
+    call._keras_dist_around = around  # type: ignore[attr-defined]
+    return call
 
 
 def update_compiled_metrics(
@@ -138,6 +227,143 @@ def update_compiled_metrics(
         ):
             if metric:
                 metric.update_state(y_true, y_out, sample_weight=weights)
+
+
+# -- Keras' own pieces inside a keras_dist step (see `custom_steps`) -----------
+# Installed once, for good: outside a keras_dist step (`current_rows()` is None)
+# they are Keras' own methods, so plain Keras is never affected.
+_KerasCompileMetrics = compile_utils.CompileMetrics
+_keras_mean_update_state = keras.metrics.Mean.update_state
+_keras_compile_metrics_update_state = _KerasCompileMetrics.update_state
+_keras_wrapper_update_state = keras.metrics.MeanMetricWrapper.update_state
+
+
+def _is_loss_tracker(model: Any, metric: Any) -> bool:
+    """Whether `metric` is one of the Mean metrics in which Keras tracks the
+    loss (the total, and each output's) weighted by the batch's row count."""
+    if metric is getattr(model, "_loss_tracker", None):
+        return True
+    compile_loss = getattr(model, "_compile_loss", None)
+    return compile_loss is not None and any(
+        metric is tracker for tracker in compile_loss.metrics
+    )
+
+
+def _metric_weights(rows: Any, sample_weight: Any) -> Any:
+    """A step's own metric given the step's loss weights (scaled by padded/real
+    rows for the loss' sake) counts each real row once: the unscaled ones."""
+    if rows is not None and sample_weight is rows.loss_weights:
+        return rows.metric_weights
+    return sample_weight
+
+
+def _mean_update_state(self: Any, values: Any, sample_weight: Any = None) -> Any:
+    rows = current_rows()
+    sample_weight = _metric_weights(rows, sample_weight)
+    # Keras weighs a batch's loss by its row count (an int, or a scalar tensor
+    # on TensorFlow): the padded count in a padded batch, where only the real
+    # rows should count.
+    if (
+        rows is not None
+        and sample_weight is not None
+        and len(getattr(sample_weight, "shape", ())) == 0
+        and _is_loss_tracker(rows.model, self)
+    ):
+        sample_weight = rows.tracked_rows
+    return _keras_mean_update_state(self, values, sample_weight=sample_weight)
+
+
+def _wrapper_update_state(
+    self: Any, y_true: Any, y_pred: Any, sample_weight: Any = None
+) -> Any:
+    sample_weight = _metric_weights(current_rows(), sample_weight)
+    return _keras_wrapper_update_state(
+        self, y_true, y_pred, sample_weight=sample_weight
+    )
+
+
+def _compile_metrics_update_state(
+    self: Any, y_true: Any, y_pred: Any, sample_weight: Any = None
+) -> Any:
+    rows = current_rows()
+    if rows is None or self is not getattr(rows.model, "_compile_metrics", None):
+        return _keras_compile_metrics_update_state(
+            self, y_true, y_pred, sample_weight=sample_weight
+        )
+    # Compiled metrics (`metrics` too, which Keras gives no weight) count only
+    # the real rows.
+    return update_compiled_metrics(
+        rows.model, y_true, y_pred, rows.mask, rows.metric_weights
+    )
+
+
+def install_row_aware_metrics() -> None:
+    """Make Keras' loss trackers and compiled metrics count only the real rows
+    of a keras_dist step's batch (idempotent)."""
+    keras.metrics.Mean.update_state = _mean_update_state
+    keras.metrics.MeanMetricWrapper.update_state = _wrapper_update_state
+    _KerasCompileMetrics.update_state = _compile_metrics_update_state
+
+
+def inject_loss_weights(model: Any) -> Callable[[], None]:
+    """Make `model.compute_loss` called without `sample_weight` inside a
+    keras_dist step use the step's loss weights (padding rows 0); return the
+    undo. The model's own `compute_loss` runs, with those weights."""
+    method = type(model).compute_loss
+    if "sample_weight" not in inspect.signature(method).parameters:
+        return lambda: None
+
+    def compute_loss(*args: Any, **kwargs: Any) -> Any:
+        rows = current_rows()
+        if rows is not None and rows.model is model:
+            if len(args) >= 4:
+                if args[3] is None:
+                    args = (*args[:3], rows.loss_weights, *args[4:])
+            elif kwargs.get("sample_weight") is None:
+                kwargs["sample_weight"] = rows.loss_weights
+        return method(model, *args, **kwargs)
+
+    object.__setattr__(model, "compute_loss", compute_loss)
+    return lambda: model.__dict__.pop("compute_loss", None)
+
+
+def optimizers_of(model: Any) -> list[Any]:
+    """Every optimizer `model` holds as an attribute (`optimizer`, and e.g. a
+    GAN's `d_optimizer` and `g_optimizer`), once each."""
+    found: list[Any] = []
+    for value in list(vars(model).values()):
+        if isinstance(value, keras.optimizers.Optimizer) and not any(
+            value is other for other in found
+        ):
+            found.append(value)
+    return found
+
+
+def average_gradients_in(optimizers: list[Any]) -> Callable[[], None]:
+    """Make each optimizer's `apply` (and so `apply_gradients`) average the
+    gradients over the replicas first, inside a keras_dist step whose rows say
+    how (`StepRows.average_gradients`); return the undo."""
+    for optimizer in optimizers:
+        method = type(optimizer).apply
+
+        def apply(
+            grads: Any,
+            trainable_variables: Any = None,
+            _optimizer: Any = optimizer,
+            _method: Callable[..., Any] = method,
+        ) -> Any:
+            rows = current_rows()
+            if rows is not None and rows.average_gradients is not None:
+                grads = rows.average_gradients(list(grads))
+            return _method(_optimizer, grads, trainable_variables)
+
+        object.__setattr__(optimizer, "apply", apply)
+
+    def undo() -> None:
+        for optimizer in optimizers:
+            optimizer.__dict__.pop("apply", None)
+
+    return undo
 
 
 class EpochRouting:
@@ -200,7 +426,7 @@ def _compile_key(model: Any, distribution: Any) -> tuple[Any, ...]:
     distribution or a `compile()` since the last run means compiling again."""
     return (
         distribution,
-        model.optimizer,
+        getattr(model, "optimizer", None),  # None: never compiled
         getattr(model, "_compile_loss", None),
         getattr(model, "_compile_metrics", None),
         model.steps_per_execution,
@@ -409,6 +635,71 @@ class GlobalBatchNorm:
         return ops.squeeze(mean, axes), ops.squeeze(variance, axes)
 
 
+# -- `Distribution.distribute_dataset`: Keras' data adapter or a direct call ------
+_in_keras_data_adapter = threading.local()
+
+
+def keras_builds_data_adapter() -> bool:
+    """Whether Keras' tf.data adapter (built by `fit`/`evaluate`/`predict`) is
+    running, the one caller of `Distribution.distribute_dataset` in Keras."""
+    return getattr(_in_keras_data_adapter, "depth", 0) > 0
+
+
+def mark_keras_data_adapter() -> None:
+    """Make `keras_builds_data_adapter()` true while Keras' `TFDatasetAdapter`
+    is built (idempotent)."""
+    from keras.src.trainers.data_adapters import (  # noqa: PLC0415
+        tf_dataset_adapter,
+    )
+
+    adapter_class = tf_dataset_adapter.TFDatasetAdapter
+    original = adapter_class.__init__
+    if getattr(original, "_keras_dist_marked", False):
+        return
+
+    @functools.wraps(original)
+    def marked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        depth = getattr(_in_keras_data_adapter, "depth", 0)
+        _in_keras_data_adapter.depth = depth + 1
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            _in_keras_data_adapter.depth = depth
+
+    marked_init._keras_dist_marked = True  # type: ignore[attr-defined]
+    adapter_class.__init__ = marked_init
+
+
+def is_tf_dataset(value: Any) -> bool:
+    """Whether `value` is a `tf.data.Dataset`, asked as Keras asks (without
+    importing TensorFlow)."""
+    from keras.src.trainers import data_adapters  # noqa: PLC0415
+
+    return data_adapters.is_tf_dataset(value)
+
+
+def _check_dataset_sharding() -> list[str]:
+    """What `Distribution.distribute_dataset` relies on."""
+    from keras.src.trainers import data_adapters  # noqa: PLC0415
+    from keras.src.trainers.data_adapters import (  # noqa: PLC0415
+        tf_dataset_adapter,
+    )
+
+    missing = []
+    if not callable(getattr(data_adapters, "is_tf_dataset", None)):
+        missing.append("keras.src.trainers.data_adapters.is_tf_dataset")
+    init = tf_dataset_adapter.TFDatasetAdapter.__init__
+    if "distribution" not in inspect.signature(init).parameters:
+        missing.append("TFDatasetAdapter(dataset, distribution=...)")
+    source = inspect.getsource(inspect.unwrap(init))
+    if "distribute_dataset" not in source:
+        missing.append("TFDatasetAdapter calls distribution.distribute_dataset")
+    for name in ("distribute_tf_dataset", "data_shard_id", "num_processes"):
+        if not hasattr(KerasDistribution, name):
+            missing.append(f"Distribution.{name}")
+    return missing
+
+
 def slot_owners(optimizer: Any, model_variables: list[Any]) -> dict[int, Any]:
     """Map each optimizer slot (by `id`) to the model variable it mirrors.
 
@@ -435,6 +726,14 @@ def slot_owners(optimizer: Any, model_variables: list[Any]) -> dict[int, Any]:
 def check() -> list[str]:
     """Names of the Keras details this release no longer matches."""
     missing = []
+    for name in MODEL_CALLS:
+        call = getattr(keras.Model, name, None)
+        target = getattr(call, "__wrapped__", call)
+        if (
+            not callable(target)
+            or "callbacks" not in inspect.signature(target).parameters
+        ):
+            missing.append(f"keras.Model.{name}(..., callbacks=...)")
     dense = keras.layers.Dense(2, name="probe")
     dense.build((None, 3))
     sgd = keras.optimizers.SGD(momentum=0.9)
@@ -462,8 +761,86 @@ def check() -> list[str]:
     ):
         if not hasattr(KerasDistribution, name):
             missing.append(f"Distribution.{name}")
+    missing += _check_dataset_sharding()
     if not _shuffle_follows_numpy_stream():
         missing.append("ArrayDataAdapter shuffles with NumPy's global generator")
+    missing += _check_saving()
+    missing += _check_row_aware_metrics()
+    return missing
+
+
+def _check_row_aware_metrics() -> list[str]:
+    """Keras' loss trackers get the batch's row count through `Mean.update_state`
+    (per output too), compiled metrics update through `CompileMetrics`, and
+    optimizers apply gradients through `apply` (see `install_row_aware_metrics`,
+    `average_gradients_in`)."""
+    from keras_dist.custom_steps import StepRows, step_rows  # noqa: PLC0415
+
+    missing = []
+    for cls, name in (
+        (keras.metrics.Mean, "update_state"),
+        (keras.metrics.MeanMetricWrapper, "update_state"),
+        (_KerasCompileMetrics, "update_state"),
+        (compile_utils.CompileLoss, "metrics"),
+        (keras.optimizers.Optimizer, "apply"),
+    ):
+        if not hasattr(cls, name):
+            missing.append(f"{cls.__name__}.{name}")
+    if missing:
+        return missing
+    install_row_aware_metrics()
+    inputs = keras.Input((2,))
+    model = keras.Model(
+        inputs,
+        {"a": keras.layers.Dense(1)(inputs), "b": keras.layers.Dense(1)(inputs)},
+    )
+    model.compile(loss={"a": "mse", "b": "mse"}, metrics={"a": ["mae"]})
+    x, y = np.ones((4, 2), "float32"), {"a": np.zeros((4, 1)), "b": np.zeros((4, 1))}
+    y_pred = model(x)
+    mask = np.array([1.0, 1.0, 1.0, 0.0], "float32")
+    rows = StepRows(model, mask, mask, mask, tracked_rows=3.0)
+    with step_rows(rows):
+        model.compute_loss(x, y, y_pred)
+        model.compute_metrics(x, y, y_pred)
+    counts = [float(m.count) for m in model._compile_loss.metrics if m]
+    if not counts or counts != [3.0] * len(counts):
+        missing.append("CompileLoss weighs per-output losses by the row count")
+    compiled = [m for m in model._compile_metrics.metrics if hasattr(m, "count")]
+    if not compiled or any(float(m.count) != 3.0 for m in compiled):
+        missing.append("CompileMetrics.update_state updates the compiled metrics")
+    return missing
+
+
+def _check_saving() -> list[str]:
+    """What `wrap_saving_functions` and `one_writer_backup_and_restore` need."""
+    import inspect  # noqa: PLC0415
+
+    from keras.src.saving import saving_api  # noqa: PLC0415
+
+    missing = []
+    for name in SAVING_FUNCTIONS:
+        function = getattr(saving_api, name, None)
+        function = getattr(function, "__wrapped__", function)
+        parameters = list(inspect.signature(function).parameters)
+        if parameters[:2] != ["model", "filepath"]:
+            missing.append(f"keras.src.saving.saving_api.{name}(model, filepath)")
+    for method, name in (
+        (keras.Model.save, "save_model"),
+        (keras.Model.save_weights, "save_weights"),
+    ):
+        if f"saving_api.{name}(" not in inspect.getsource(method):
+            missing.append(f"Model.{method.__name__} calls saving_api.{name}")
+    backup = keras.callbacks.BackupAndRestore("probe")
+    for name in (
+        "_load_model",
+        "_save_model",
+        "_weights_path",
+        "_prev_weights_path",
+        "_training_metadata_path",
+        "_prev_training_metadata_path",
+    ):
+        if not hasattr(backup, name):
+            missing.append(f"BackupAndRestore.{name}")
     return missing
 
 

@@ -19,7 +19,10 @@ class DistributeCallback(keras.callbacks.Callback):
     out then, variables created later get their layout at creation, and every
     batch is split between the devices (a last batch that does not divide is
     padded and the padding masked out). It is switched off when the call that
-    started it ends; validation inside `fit` stays distributed.
+    started it ends, also when the call raises (keras_dist then leaves nothing
+    behind: the next call, of this model or another, keras_dist or plain
+    Keras, runs as it would have without the failed one); validation inside
+    `fit` stays distributed.
 
     Args:
         distribution: a keras_dist `DataParallel` or `ModelParallel`.
@@ -41,12 +44,14 @@ class DistributeCallback(keras.callbacks.Callback):
 
     def set_model(self, model: Any) -> None:
         super().set_model(model)
-        # A previous call that raised never reached its `on_*_end`.
+        # A run this callback started outside any Keras call (`set_model`
+        # called by hand) is still on; a call's run ends with the call.
         self.close()
         self._run = DistributedRun(model, self.distribution).start()
 
     def close(self) -> None:
-        """Switch the distribution off now (for a call that raised)."""
+        """Switch the distribution off now; idempotent. Not needed after a
+        call that raised: the call switched it off as it ended."""
         if self._run is not None:
             run, self._run, self._owner = self._run, None, None
             run.stop()

@@ -42,6 +42,12 @@ def _validate_shape(shape: Any) -> tuple[int, ...]:
 
 
 def _validate_axis_names(axis_names: Any, shape: tuple[int, ...]) -> list[str]:
+    if isinstance(axis_names, (str, list, tuple)) and not axis_names:
+        # Keras raises ValueError for empty axis names too.
+        raise ValueError(
+            "`axis_names` must not be empty: give one name per mesh dimension, "
+            f"such as ['batch', 'model']. Received: axis_names={axis_names!r}"
+        )
     if isinstance(axis_names, str) or not isinstance(axis_names, Sequence):
         raise TypeError(
             "`axis_names` must be a list or tuple of strings, one per mesh "
@@ -55,8 +61,13 @@ def _validate_axis_names(axis_names: Any, shape: tuple[int, ...]) -> list[str]:
             f"shape={shape}, axis_names={names}"
         )
     for name in names:
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str):
             raise TypeError(
+                "Every axis name must be a non-empty string. Received: "
+                f"axis_names={names!r}"
+            )
+        if not name:
+            raise ValueError(
                 "Every axis name must be a non-empty string. Received: "
                 f"axis_names={names!r}"
             )

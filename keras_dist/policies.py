@@ -10,7 +10,12 @@ import keras
 import numpy as np
 
 from keras_dist import runtime
-from keras_dist._keras_compat import KerasDistribution
+from keras_dist._keras_compat import (
+    KerasDistribution,
+    is_tf_dataset,
+    keras_builds_data_adapter,
+    mark_keras_data_adapter,
+)
 from keras_dist.backends import get_adapter
 from keras_dist.mesh import (
     DeviceMesh,
@@ -20,6 +25,10 @@ from keras_dist.mesh import (
 )
 
 DEFAULT_BATCH_DIM_NAME = "batch"
+
+# Keras' data adapter calls `Distribution.distribute_dataset` inside `fit`,
+# where keras_dist splits batches itself; a direct call splits like Keras.
+mark_keras_data_adapter()
 
 
 def same_mesh(first: Any, second: Any) -> bool:
@@ -122,14 +131,44 @@ class Distribution(KerasDistribution):
             yield
 
     def distribute_dataset(self, dataset: Any) -> Any:
-        """Return `dataset` unchanged: keras_dist splits its batches later.
+        """This process' part of `dataset`, as Keras' `distribute_dataset`.
 
-        Every process reads the same global batches (any input type) and lays
-        out only the rows of its own devices, so the dataset itself needs no
-        per-process sharding. With `auto_shard_dataset=False` each process is
-        expected to read its own part already.
+        Called directly (as Keras documents it) in a multi-process job with
+        `auto_shard_dataset=True`, a batched `tf.data.Dataset` is split as
+        Keras splits it: each global batch is rebatched into per-process
+        pieces and every process keeps its own (`rebatch` and `shard`), so
+        the processes get disjoint parts. Other input types raise
+        `ValueError`, as in Keras; one process, or `auto_shard_dataset=False`,
+        returns `dataset` unchanged.
+
+        Inside `fit`, `evaluate` and `predict` (where Keras' data adapter calls
+        it) the dataset is returned unchanged: keras_dist splits every input
+        type between processes itself, as batches reach the devices. So pass
+        `fit` the global dataset, not this method's result.
+
+        Example:
+
+        ```python
+        distribution = keras_dist.DataParallel()
+        for x, y in distribution.distribute_dataset(dataset.batch(64)):
+            ...  # this process' 64 / num_processes rows of each batch
+        ```
         """
-        return dataset
+        if (
+            keras_builds_data_adapter()
+            or self._num_processes <= 1
+            or not self.auto_shard_dataset
+        ):
+            return dataset
+        if not is_tf_dataset(dataset):
+            raise ValueError(
+                "In a multi-process job `distribute_dataset` splits only a "
+                "tf.data.Dataset between processes, as Keras does (inside `fit` "
+                "keras_dist splits every input type itself). Pass a tf.data "
+                "dataset, or set `auto_shard_dataset=False` if each process "
+                f"already reads its own part. Received: {type(dataset).__name__}"
+            )
+        return self.distribute_tf_dataset(dataset)
 
     def __repr__(self) -> str:
         return (
@@ -225,7 +264,10 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
             and different ones is an error.
         layout_map: a `LayoutMap` (keras_dist's or Keras', e.g. from KerasHub's
             `Backbone.get_layout_map(mesh)`). Keys are variable paths, or
-            `"<layer path>/output"` to relayout a layer's output.
+            `"<layer path>/output"` to relayout a layer's output. A layout
+            with fewer axes than its variable has dimensions replicates the
+            trailing ones, as in Keras (`("model",)` on a kernel is
+            `("model", None)`); one with more axes is an error.
         batch_dim_name: the mesh axis that splits the batch. Defaults to the
             mesh's first axis.
         auto_shard_dataset: see `Distribution`.
@@ -300,12 +342,18 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
         layout = self._on_mesh(self._layout_map[variable.path])
         if layout is None:
             return super().layout_for_variable(variable)
-        if len(layout.axes) != len(variable.shape):
+        rank = len(variable.shape)
+        if len(layout.axes) > rank:
             raise ValueError(
                 f"The layout for {variable.path!r} has {len(layout.axes)} axes "
                 f"{layout.axes} but the variable has shape {tuple(variable.shape)}. "
-                "Give one mesh axis or None per dimension."
+                "Give at most one mesh axis or None per dimension."
             )
+        if len(layout.axes) < rank:
+            # As in Keras and JAX: the missing trailing dimensions are
+            # replicated. Spelled out, every backend sees one axis per dimension.
+            axes = (*layout.axes, *([None] * (rank - len(layout.axes))))
+            layout = TensorLayout(axes, layout.device_mesh)
         return layout
 
     def get_tensor_layout(self, path: str) -> Any:

@@ -248,7 +248,10 @@ def initialize(
     Called without arguments inside torchrun, an `srun` task or a `TF_CONFIG`
     cluster, it finds the job on its own; see `resolve_cluster` for the order
     in which arguments, `KERAS_DISTRIBUTION_*` variables and the cluster are
-    asked.
+    asked. When none of them says anything, the backend's own detection runs
+    last, as in Keras: on JAX `jax.distributed.initialize()` without
+    arguments (Cloud TPU, GKE, Open MPI, `JAX_COORDINATOR_ADDRESS`); with no
+    cluster detected the process runs alone.
 
     Args:
         job_addresses: `"host:port"` of the coordinator (process 0), or every
@@ -278,6 +281,18 @@ def initialize(
             f"`timeout_seconds` must be positive. Received: {timeout_seconds}"
         )
     if count == 1:
+        asked = (job_addresses, num_processes, process_id)
+        configured = any(value is not None for value in asked) or any(
+            environment_value(name) is not None
+            for name in (
+                JOB_ADDRESSES_VARIABLE,
+                NUM_PROCESSES_VARIABLE,
+                PROCESS_ID_VARIABLE,
+            )
+        )
+        # A cluster keras_dist detected gave a coordinator, even for one process.
+        if coordinator is None and not configured and not _initialized:
+            _join_detected_cluster(timeout_seconds)
         return
     if _initialized:
         if _initialized != {"coordinator": coordinator, "count": count, "rank": rank}:
@@ -294,6 +309,29 @@ def initialize(
         _wait_for_coordinator(coordinator, rank, count, timeout_seconds=timeout_seconds)
     get_adapter().initialize(coordinator, count, rank, timeout_seconds=timeout_seconds)
     _initialized.update({"coordinator": coordinator, "count": count, "rank": rank})
+    # One writer from now on: `model.save` and Keras' file-writing callbacks
+    # write on process 0 only, inside `fit` or not.
+    from keras_dist import saving  # noqa: PLC0415 (saving imports this module)
+
+    saving.install()
+
+
+def _join_detected_cluster(timeout_seconds: float) -> None:
+    """Nothing configured a job: let the backend's own cluster detection form
+    one, as Keras lets JAX's (Cloud TPU, GKE...); else run as one process."""
+    adapter = get_adapter()
+    if not adapter.join_detected_cluster(timeout_seconds=timeout_seconds):
+        return
+    _initialized.update(
+        {
+            "coordinator": f"detected by {adapter.name}",
+            "count": adapter.num_processes(),
+            "rank": adapter.process_id(),
+        }
+    )
+    from keras_dist import saving  # noqa: PLC0415 (saving imports this module)
+
+    saving.install()
 
 
 _warned: set[tuple[type[Warning], str]] = set()

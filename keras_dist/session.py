@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
 
+from keras_dist import saving
 from keras_dist._keras_compat import (
-    FILE_WRITING_CALLBACKS,
     KerasDistribution,
-    save_to_scratch,
+    run_model_calls_within,
     silence_callbacks,
 )
 from keras_dist.backends import get_adapter
 from keras_dist.policies import Distribution
 
 _active_runs: dict[int, DistributedRun] = {}
+# One token per Keras fit/evaluate/predict in progress, innermost last.
+_calls_in_progress: list[object] = []
 
 
 def check_distribution(distribution: Any, owner: str) -> Distribution:
@@ -50,6 +53,8 @@ class DistributedRun:
         self._previous: Any = None
         self._undo: list[Callable[[], None]] = []  # run in reverse by `stop`
         self.active = False
+        # The Keras call that started the run (None: started outside any).
+        self._call: object | None = None
 
     def start(self) -> DistributedRun:
         key = id(self.model)
@@ -58,6 +63,9 @@ class DistributedRun:
                 f"A distribution is already active for model {self.model.name!r}; "
                 "use one DistributeCallback per fit/evaluate/predict call."
             )
+        # One writer: process 0 writes every file (`keras_dist.saving`), for
+        # a job whose processes did not join through `keras_dist.initialize()`.
+        saving.install()
         self._previous = keras.distribution.distribution()
         keras.distribution.set_distribution(self.distribution)
         try:
@@ -67,34 +75,65 @@ class DistributedRun:
             raise
         _active_runs[key] = self
         self.active = True
-        # One voice: only process 0 shows progress bars and per-epoch logs and
-        # writes CSV logs and TensorBoard events; the others save checkpoints
-        # to a scratch directory (saving is collective) that is deleted.
+        self._call = _calls_in_progress[-1] if _calls_in_progress else None
+        # One voice: only process 0 shows progress bars and per-epoch logs.
+        # (Files, from checkpoints to CSV logs and TensorBoard events, are
+        # written by process 0 whether a run is active or not: `saving`.)
         if get_adapter().process_id() != 0:
             quiet = not os.environ.get("KERAS_DIST_VERBOSE_ALL_PROCESSES")
-            classes = FILE_WRITING_CALLBACKS
             if quiet:
-                classes = (*classes, keras.callbacks.ProgbarLogger)
-            self._undo.append(silence_callbacks(classes))
-            self._undo.append(save_to_scratch(self.model))
+                self._undo.append(silence_callbacks((keras.callbacks.ProgbarLogger,)))
             if quiet and keras.config.is_interactive_logging_enabled():
                 keras.config.disable_interactive_logging()
                 self._undo.append(keras.config.enable_interactive_logging)
         return self
+
+    @property
+    def stale(self) -> bool:
+        """Whether the run outlived the Keras call that started it, or was
+        started outside any (a callback's `set_model` called by hand): the
+        next Keras call, on any model, stops it first."""
+        return self.active and self._call not in _calls_in_progress
 
     def stop(self) -> None:
         if not self.active:
             return
         self.active = False
         _active_runs.pop(id(self.model), None)
-        while self._undo:
-            self._undo.pop()()
         try:
-            get_adapter().deactivate(self.model)
+            while self._undo:
+                self._undo.pop()()
         finally:
-            keras.distribution.set_distribution(self._previous)
+            try:
+                get_adapter().deactivate(self.model)
+            finally:
+                keras.distribution.set_distribution(self._previous)
 
 
 def active_run(model: Any) -> DistributedRun | None:
-    """The run active for `model`, if any."""
-    return _active_runs.get(id(model))
+    """The run active for `model`, if any (a stale one does not count)."""
+    run = _active_runs.get(id(model))
+    return None if run is None or run.stale else run
+
+
+@contextlib.contextmanager
+def _runs_end_with_their_call(model: Any) -> Iterator[None]:
+    """A run started during a Keras call on `model` (by a `DistributeCallback`)
+    ends with that call, also when it raises: Keras calls no callback then,
+    and the run's patches, global distribution and steps would stay behind
+    for the next call of this model or any other."""
+    for stale in [run for run in _active_runs.values() if run.stale]:
+        stale.stop()
+    before = _active_runs.get(id(model))
+    token = object()
+    _calls_in_progress.append(token)
+    try:
+        yield
+    finally:
+        _calls_in_progress.remove(token)
+        run = _active_runs.get(id(model))
+        if run is not None and run is not before:
+            run.stop()
+
+
+run_model_calls_within(_runs_end_with_their_call)

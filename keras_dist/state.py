@@ -38,20 +38,40 @@ def distribute_tensor(tensor: Any, layout: Any) -> Any:
     """Lay `tensor` out on devices as `layout` says.
 
     Works eagerly and inside a traced or jitted function (where it constrains
-    the layout instead of moving data).
+    the layout instead of moving data). As in Keras, a symbolic `KerasTensor`
+    (from `keras.Input`, while a functional model is built) is returned
+    unchanged.
 
     Args:
-        tensor: a backend tensor or NumPy array.
-        layout: a `TensorLayout` with a device mesh.
+        tensor: a backend tensor, NumPy array or `KerasTensor`.
+        layout: a `TensorLayout` with a device mesh, or the backend's own
+            layout object, what `TensorLayout.backend_layout` gives: a
+            `jax.sharding.Sharding` such as `NamedSharding` on JAX (as Keras
+            accepts), a tuple of DTensor placements for a DTensor on PyTorch.
+
+    Example:
+
+    >>> mesh = keras_dist.DeviceMesh((1,), ["batch"], ["cpu:0"])
+    >>> layout = keras_dist.TensorLayout(("batch", None), mesh)
+    >>> symbolic = keras.Input((3,))
+    >>> keras_dist.distribute_tensor(symbolic, layout) is symbolic
+    True
     """
-    if not isinstance(layout, keras.distribution.TensorLayout):
+    adapter = get_adapter()
+    is_layout = isinstance(layout, keras.distribution.TensorLayout)
+    if not is_layout and not adapter.is_backend_layout(layout):
         raise TypeError(
-            "`layout` must be a TensorLayout. Received: "
+            "`layout` must be a TensorLayout, or the backend's own layout "
+            "(what `TensorLayout.backend_layout` gives, e.g. a "
+            "jax.sharding.NamedSharding on JAX). Received: "
             f"layout={layout!r} of type {type(layout).__name__}"
         )
-    if layout.device_mesh is None:
+    if isinstance(tensor, keras.KerasTensor):
+        # Symbolic: it only describes a functional model's graph.
+        return tensor
+    if is_layout and layout.device_mesh is None:
         raise ValueError(
             "`layout` has no device mesh; build it with `device_mesh=`. "
             f"Received: layout={layout}"
         )
-    return get_adapter().distribute_tensor(tensor, layout)
+    return adapter.distribute_tensor(tensor, layout)

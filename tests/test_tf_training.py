@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -341,3 +343,30 @@ def test_fit_in_a_loop_reuses_the_traced_step_and_trains_like_one_device():
     reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_strategies_over_different_devices_and_the_users_own_share_a_process():
+    """Every MirroredStrategy numbers its collective groups from the same key,
+    so a second one over other devices (or the user's own) joined the first's
+    groups: "joining a group with size 4, but that group has size 8"."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    x = np.ones((20, 3), "float32")
+
+    def train(devices=None, strategy=None):
+        keras.utils.set_random_seed(1)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        callbacks = []
+        if devices is not None:
+            callbacks = [kd.DistributeCallback(kd.DataParallel(devices=devices))]
+        model.fit(x, x[:, :1], batch_size=8, verbose=0, callbacks=callbacks)
+        return model.get_weights()[0]
+
+    expected = train()
+    np.testing.assert_allclose(train(kd.list_devices()), expected, atol=1e-6)
+    np.testing.assert_allclose(train(kd.list_devices()[:2]), expected, atol=1e-6)
+    users_own = tf.distribute.MirroredStrategy(devices=["/cpu:0", "/cpu:1"])
+    np.testing.assert_allclose(train(strategy=users_own), expected, atol=1e-6)
+    np.testing.assert_allclose(train(kd.list_devices()[:4]), expected, atol=1e-6)

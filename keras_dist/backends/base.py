@@ -12,7 +12,13 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from keras_dist._keras_compat import GlobalBatchNorm
+from keras_dist._keras_compat import (
+    GlobalBatchNorm,
+    average_gradients_in,
+    inject_loss_weights,
+    install_row_aware_metrics,
+    optimizers_of,
+)
 
 
 class BackendAdapter(abc.ABC):
@@ -42,6 +48,19 @@ class BackendAdapter(abc.ABC):
         (a `GlobalBatchNorm.Replicas`) until `deactivate(model)`."""
         layers = GlobalBatchNorm.install(model, replicas)
         self._on_deactivate(model, lambda: GlobalBatchNorm.uninstall(layers))
+
+    def _count_real_rows(self, model: Any) -> None:
+        """Keras' loss trackers and compiled metrics, and `model.compute_loss`
+        called without weights, leave a padded batch's padding rows out inside
+        keras_dist's steps (and the user's own), until `deactivate(model)`."""
+        install_row_aware_metrics()
+        self._on_deactivate(model, inject_loss_weights(model))
+
+    def _average_gradients(self, model: Any) -> None:
+        """Every optimizer of `model` averages its gradients over the replicas
+        inside a user's own step (`StepRows.average_gradients`), until
+        `deactivate(model)`."""
+        self._on_deactivate(model, average_gradients_in(optimizers_of(model)))
 
     # -- devices and processes -------------------------------------------------
     @abc.abstractmethod
@@ -79,6 +98,37 @@ class BackendAdapter(abc.ABC):
     ) -> None:
         """Join the multi-process job whose coordinator is `coordinator_address`."""
 
+    def barrier(self, name: str, *, timeout_seconds: float) -> None:
+        """Return once every process of the job has called `barrier(name)`.
+
+        Every process calls the same barriers in the same order; `name` tells
+        them apart in errors. Raises `RuntimeError` naming this process when the
+        others do not all arrive within `timeout_seconds`. One process: returns.
+        """
+        if self.num_processes() > 1:
+            raise NotImplementedError(
+                f"The {self.name} adapter cannot wait for the other processes "
+                f"(barrier {name!r})."
+            )
+
+    def wait_for_process_zero(self, key: str, *, timeout_seconds: float) -> None:
+        """Process 0 announces that it reached `key` and goes on at once; the
+        others return once it has (`RuntimeError` naming this process after
+        `timeout_seconds`). Process 0 never waits, so it may reach a key the
+        others never do. Each key is announced once: callers number them.
+        By default a `barrier`, which waits on process 0 too."""
+        self.barrier(key, timeout_seconds=timeout_seconds)
+
+    def _barrier_timed_out(
+        self, name: str, timeout_seconds: float, error: BaseException
+    ) -> RuntimeError:
+        return RuntimeError(
+            f"Process {self.process_id()} of {self.num_processes()} waited "
+            f"{timeout_seconds:g} s at {name!r} for the other processes, which "
+            "did not all get there (one failed, hangs, is slower than that, or "
+            f"skipped the call: make it on every process): {error}"
+        )
+
     # -- layouts ---------------------------------------------------------------
     @abc.abstractmethod
     def to_backend_mesh(self, device_mesh: Any) -> Any:
@@ -90,7 +140,28 @@ class BackendAdapter(abc.ABC):
 
     @abc.abstractmethod
     def distribute_tensor(self, tensor: Any, tensor_layout: Any) -> Any:
-        """Lay `tensor` out as `tensor_layout` says (eagerly or inside a trace)."""
+        """Lay `tensor` out as `tensor_layout` says (eagerly or inside a trace).
+
+        `tensor_layout` is a `TensorLayout` with a mesh, or a layout object of
+        the backend's own for which `is_backend_layout` is true.
+        """
+
+    def is_backend_layout(self, layout: Any) -> bool:
+        """Whether `distribute_tensor` takes `layout`, an object of the
+        backend's own (what `TensorLayout.backend_layout` gives), as it is.
+        None by default."""
+        return False
+
+    def join_detected_cluster(self, *, timeout_seconds: float) -> bool:
+        """Join the job the backend's own cluster detection finds, if any.
+
+        Called by `initialize()` when neither arguments, `KERAS_DISTRIBUTION_*`
+        nor keras_dist's cluster detection configured a job. Returns whether a
+        job was joined; `False` (the default) means none was detected and the
+        process runs alone. Raises `RuntimeError` when one was detected but
+        could not be joined.
+        """
+        return False
 
     # -- training --------------------------------------------------------------
     @abc.abstractmethod

@@ -8,6 +8,8 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import distributed as jax_distributed
+from jax.experimental import layout as jax_layout
 from jax.experimental import multihost_utils
 
 from keras_dist._keras_compat import GlobalBatchNorm, slot_owners
@@ -18,6 +20,10 @@ from keras_dist.backends.jax_input_adapter import (
     ProcessLocalBatches,
     trim_outputs,
 )
+from keras_dist.random_streams import take_process_zero_streams
+
+# JAX's sharding-plus-memory-layout object (`Layout` in older releases).
+_JaxFormat = getattr(jax_layout, "Format", None) or jax_layout.Layout
 
 
 def heartbeat_timeout_seconds() -> int:
@@ -30,6 +36,18 @@ def heartbeat_timeout_seconds() -> int:
             f"seconds. Received: KERAS_DIST_HEARTBEAT_TIMEOUT={raw!r}"
         )
     return int(raw)
+
+
+def _nothing_to_join(error: Exception) -> bool:
+    """Whether `jax.distributed.initialize()` without arguments refused before
+    doing anything because no job was asked for: JAX detected no cluster (it
+    wants a coordinator address) or already runs as one process."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return False
+    message = str(error)
+    if isinstance(error, ValueError):
+        return "coordinator_address" in message
+    return isinstance(error, RuntimeError) and "must be called before" in message
 
 
 def _device_name(device: Any) -> str:
@@ -108,6 +126,63 @@ class JaxAdapter(BackendAdapter):
                 f"s: {error}"
             ) from error
 
+    def join_detected_cluster(self, *, timeout_seconds: float) -> bool:
+        """`jax.distributed.initialize()` without arguments, as Keras calls it:
+        JAX's own detection (Cloud TPU, GKE, Open MPI, `JAX_COORDINATOR_*`...)
+        forms the job. With nothing detected JAX raises at once, asking for a
+        coordinator address, and this process runs alone; so it does when JAX
+        already runs, since `jax.distributed` only joins before the first
+        computation (unless `JAX_COORDINATOR_ADDRESS` asks for a job)."""
+        if jax.distributed.is_initialized():
+            return True
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        try:
+            jax.distributed.initialize(
+                initialization_timeout=max(1, int(timeout_seconds)),
+                heartbeat_timeout_seconds=heartbeat_timeout_seconds(),
+            )
+        except Exception as error:  # jax raises several XLA runtime types here
+            if not jax.distributed.is_initialized() and _nothing_to_join(error):
+                return False
+            raise RuntimeError(
+                "JAX's cluster detection found a job but this process could not "
+                f"join it within {timeout_seconds:g} s (call keras_dist.initialize"
+                f"() before any JAX computation): {error}"
+            ) from error
+        return True
+
+    def barrier(self, name: str, *, timeout_seconds: float) -> None:
+        if jax.process_count() == 1:
+            return
+        # The coordination service's barrier has a timeout (a collective over
+        # the devices, `multihost_utils.sync_global_devices`, has none); its ids
+        # are used once and must be equal on every process: a number they all
+        # count alike (`name`, which may differ, is for the error only).
+        self._barriers = getattr(self, "_barriers", 0) + 1
+        client = jax_distributed.global_state.client
+        try:
+            client.wait_at_barrier(
+                f"keras_dist:barrier:{self._barriers}",
+                timeout_in_ms=max(1, int(timeout_seconds * 1000)),
+            )
+        except Exception as error:  # jax raises XLA runtime errors here
+            raise self._barrier_timed_out(name, timeout_seconds, error) from error
+
+    def wait_for_process_zero(self, key: str, *, timeout_seconds: float) -> None:
+        if jax.process_count() == 1:
+            return
+        client = jax_distributed.global_state.client
+        key = f"keras_dist:{key}"
+        try:
+            if jax.process_index() == 0:
+                client.key_value_set(key, "done", allow_overwrite=True)
+            else:
+                client.blocking_key_value_get(
+                    key, timeout_in_ms=max(1, int(timeout_seconds * 1000))
+                )
+        except Exception as error:  # jax raises XLA runtime errors here
+            raise self._barrier_timed_out(key, timeout_seconds, error) from error
+
     def to_backend_mesh(self, device_mesh: Any) -> Any:
         devices = np.asarray(device_mesh.devices, dtype=object)
         jax_devices = np.array(
@@ -120,8 +195,15 @@ class JaxAdapter(BackendAdapter):
         spec = jax.sharding.PartitionSpec(*tensor_layout.axes)
         return jax.sharding.NamedSharding(mesh, spec)
 
+    def is_backend_layout(self, layout: Any) -> bool:
+        """A `jax.sharding.Sharding` (`NamedSharding`...) or a
+        `jax.experimental.layout.Format`, as Keras' JAX backend accepts."""
+        return isinstance(layout, (jax.sharding.Sharding, _JaxFormat))
+
     def distribute_tensor(self, tensor: Any, tensor_layout: Any) -> Any:
-        sharding = tensor_layout.backend_layout
+        sharding = tensor_layout
+        if not self.is_backend_layout(tensor_layout):
+            sharding = tensor_layout.backend_layout
         if isinstance(tensor, jax.core.Tracer):
             return jax.lax.with_sharding_constraint(tensor, sharding)
         return jax.device_put(tensor, sharding)
@@ -137,14 +219,9 @@ class JaxAdapter(BackendAdapter):
                 variable.assign(value)
         for variable, layout in planned:
             internals.relayout_variable(variable, layout)
-        # Shuffling draws from one stream seeded alike everywhere (process 0's
-        # draw from NumPy's generator, so `keras.utils.set_random_seed` makes
-        # it reproducible): the same permutation on every process and for any
-        # process count.
-        seed = np.int64(np.random.randint(0, 2**31 - 1))
-        if multi_process:
-            seed = multihost_utils.broadcast_one_to_all(seed)
-        shuffle_stream = np.random.RandomState(int(seed))
+        # The user's own steps run as written; an uneven batch reaches them
+        # whole (laid out on every device) rather than padded.
+        user_steps = bool(internals.user_steps(model))
         if multi_process and not distribution.auto_shard_dataset:
             # Each process reads its own part of the data.
             def batches_for_epoch(batches: Iterator[Any]) -> Iterator[Any]:
@@ -155,8 +232,11 @@ class JaxAdapter(BackendAdapter):
                 return DistributedBatches(
                     batches,
                     distribution,
-                    shuffle_stream=shuffle_stream,
+                    share_random_streams=(
+                        self.take_process_zero_streams if multi_process else None
+                    ),
                     check_same_input=multi_process,
+                    replicate_uneven=user_steps,
                 )
 
         internals.route_batches(batches_for_epoch)
@@ -166,9 +246,17 @@ class JaxAdapter(BackendAdapter):
         # BatchNormalization statistics over the real rows of the global batch;
         # the step's arrays are global already, so nothing needs summing.
         self._normalize_batches(model, GlobalBatchNorm.Replicas())
+        self._count_real_rows(model)
 
     def deactivate(self, model: Any) -> None:
         self._undo_activation(model)
+
+    def take_process_zero_streams(self) -> None:
+        """Every process takes process 0's NumPy and Python random generators,
+        from which Keras shuffles (a collective)."""
+        take_process_zero_streams(
+            lambda state: np.asarray(multihost_utils.broadcast_one_to_all(state))
+        )
 
 
 def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
@@ -184,7 +272,9 @@ def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
                 distribution.layout_for_variable(variable),
             )
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and optimizer.built:
+    if optimizer is not None:
+        # Unbuilt, it still has its step counter (and learning rate): laid out
+        # too, or Keras' jit sees local and mesh variables mixed.
         owners = slot_owners(optimizer, model.trainable_variables)
         for variable in optimizer.variables:
             owner = owners.get(id(variable))

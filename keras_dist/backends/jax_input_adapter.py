@@ -7,7 +7,7 @@ devices and build global `jax.Array`s from them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -15,7 +15,6 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_dist._keras_compat import numpy_random_stream
 from keras_dist.padding import (
     MaskedBatch,
     check_same_input,
@@ -58,10 +57,16 @@ class DistributedBatches:
     Args:
         batches: the global batches from Keras' data adapter.
         distribution: the active distribution.
-        shuffle_stream: NumPy stream that Keras' shuffling draws from (the same
-            seed on every process), or None in one process.
+        share_random_streams: called before the epoch's first batch, in a
+            multi-process job: every process takes process 0's global random
+            generators, so Keras' shuffling draws the same order everywhere
+            (`keras_dist.random_streams`). None in one process: Keras draws
+            from the global generators exactly as without keras_dist.
         check_same_input: compare the first batch's fingerprint across
             processes, to fail fast when they read different data.
+        replicate_uneven: lay a batch that does not divide the batch shards
+            out whole on every device instead of padding it (for the user's
+            own steps, which then see exactly the batch plain Keras gives).
     """
 
     def __init__(
@@ -69,13 +74,15 @@ class DistributedBatches:
         batches: Iterator[Any],
         distribution: Any,
         *,
-        shuffle_stream: np.random.RandomState | None = None,
+        share_random_streams: Callable[[], None] | None = None,
         check_same_input: bool = False,
+        replicate_uneven: bool = False,
     ):
         self._batches = batches
+        self._replicate_uneven = replicate_uneven
         self._started = False
         self._distribution = distribution
-        self._shuffle_stream = shuffle_stream
+        self._share_random_streams = share_random_streams
         self._check_same_input = check_same_input
         self._placement: dict[tuple[int, ...], tuple[Any, slice]] = {}
         # For each batch handed out since `take_kept_rows`: its global size and
@@ -89,6 +96,12 @@ class DistributedBatches:
         if leaf is None:
             return None
         leaf = np.asarray(leaf)
+        if leaf.shape[0] % self._distribution.num_model_replicas:
+            # Uneven and not padded (`replicate_uneven`): every process holds
+            # the whole batch, so each device can get all of it.
+            mesh = self._distribution.get_data_layout(leaf.shape).backend_layout.mesh
+            whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            return jax.make_array_from_process_local_data(whole, leaf, leaf.shape)
         if leaf.shape not in self._placement:
             sharding = self._distribution.get_data_layout(leaf.shape).backend_layout
             self._placement[leaf.shape] = (
@@ -99,16 +112,18 @@ class DistributedBatches:
         return jax.make_array_from_process_local_data(sharding, leaf[rows], leaf.shape)
 
     def __next__(self) -> Any:
-        with numpy_random_stream(self._shuffle_stream):
-            if not self._started:
-                self._batches = iter(self._batches)
-                self._started = True
-            batch = next(self._batches)
+        if not self._started:
+            if self._share_random_streams is not None:
+                self._share_random_streams()
+            self._batches = iter(self._batches)
+            self._started = True
+        batch = next(self._batches)
         if self._check_same_input:
             self._check_same_input = False
             _verify_same_input_everywhere(batch)
         size = leading_dim(batch)
-        batch = pad_batch(batch, self._distribution.num_model_replicas)
+        if not self._replicate_uneven:
+            batch = pad_batch(batch, self._distribution.num_model_replicas)
         self.kept_rows.append((leading_dim(batch), slice(0, size)))
         return keras.tree.map_structure(self._place, batch)
 

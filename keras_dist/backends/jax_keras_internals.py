@@ -24,6 +24,13 @@ from keras_dist._keras_compat import (
     update_compiled_metrics,
     uses_keras_compute_metrics,
 )
+from keras_dist.custom_steps import (
+    STEP_METHODS,
+    data_for_step,
+    make_rows,
+    overridden,
+    step_rows,
+)
 from keras_dist.padding import MaskedBatch, masked_row_weights
 
 _original_get_iterator = jax_trainer.JAXEpochIterator._get_iterator
@@ -157,7 +164,8 @@ def masked_train_step(
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, weights, loss_weights, real_rows, mask = _split(batch)
     grad_fn = value_and_grad(model.compute_loss_and_updates, has_aux=True)
-    with GlobalBatchNorm.rows(mask):
+    rows = make_rows(model, batch.data, mask, mask.shape[0] / real_rows, real_rows)
+    with GlobalBatchNorm.rows(mask), step_rows(rows):
         (_, aux), grads = grad_fn(
             trainable,
             non_trainable,
@@ -181,15 +189,17 @@ def masked_train_step(
 def masked_test_step(model: Any, state: Any, batch: MaskedBatch) -> Any:
     trainable, non_trainable, metrics_variables = state
     x, y, weights, loss_weights, real_rows, mask = _split(batch)
-    _, aux = model.compute_loss_and_updates(
-        trainable,
-        non_trainable,
-        metrics_variables,
-        x,
-        y,
-        loss_weights,
-        training=False,
-    )
+    rows = make_rows(model, batch.data, mask, mask.shape[0] / real_rows, real_rows)
+    with step_rows(rows):
+        _, aux = model.compute_loss_and_updates(
+            trainable,
+            non_trainable,
+            metrics_variables,
+            x,
+            y,
+            loss_weights,
+            training=False,
+        )
     loss, y_pred, non_trainable, metrics_variables = aux
     logs, metrics_variables = _update_metrics(
         model, metrics_variables, loss, real_rows, (x, y, y_pred, mask, weights)
@@ -217,20 +227,42 @@ def install_steps(
     )
 
 
+def user_steps(model: Any) -> set[str]:
+    """The step methods `model`'s class overrides: its own code, which keras_dist
+    runs as written (an uneven batch is laid out whole rather than padded)."""
+    names = (*STEP_METHODS, "compute_loss_and_updates")
+    return set(overridden(model, jax_trainer.JAXTrainer, names))
+
+
+def _user_step(model: Any, step: Callable, state: Any, batch: MaskedBatch) -> Any:
+    """The user's own step on a padded batch (each process read its own rows):
+    the padding reaches it as zero sample weights (see `custom_steps`)."""
+    real_rows = ops.sum(batch.mask)
+    scale = batch.mask.shape[0] / real_rows
+    rows = make_rows(model, batch.data, batch.mask, scale, real_rows)
+    with step_rows(rows), GlobalBatchNorm.rows(batch.mask):
+        return step(model, state, data_for_step(batch.data, rows))
+
+
 def _masked_steps(
     model: Any, trim_outputs: Callable[[Any, Any], Any], value_and_grad: Callable
 ) -> dict[str, Callable]:
     cls = type(model)
+    custom = user_steps(model)
 
     def train_step(state: Any, data: Any) -> Any:
-        if isinstance(data, MaskedBatch):
-            return masked_train_step(model, state, data, value_and_grad)
-        return cls.train_step(model, state, data)
+        if not isinstance(data, MaskedBatch):
+            return cls.train_step(model, state, data)
+        if custom & {"train_step", "compute_loss_and_updates"}:
+            return _user_step(model, cls.train_step, state, data)
+        return masked_train_step(model, state, data, value_and_grad)
 
     def test_step(state: Any, data: Any) -> Any:
-        if isinstance(data, MaskedBatch):
-            return masked_test_step(model, state, data)
-        return cls.test_step(model, state, data)
+        if not isinstance(data, MaskedBatch):
+            return cls.test_step(model, state, data)
+        if custom & {"test_step", "compute_loss_and_updates"}:
+            return _user_step(model, cls.test_step, state, data)
+        return masked_test_step(model, state, data)
 
     def predict_step(state: Any, data: Any) -> Any:
         if isinstance(data, MaskedBatch):

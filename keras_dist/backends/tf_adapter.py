@@ -53,6 +53,26 @@ def _tf_config(addresses: list[str], index: int) -> str:
     )
 
 
+# Collective group keys each strategy of keras_dist's numbers its groups from.
+_COLLECTIVE_KEY_RANGE = 100_000
+
+
+class _MirroredStrategy(tf.distribute.MirroredStrategy):
+    """A `MirroredStrategy` whose collective groups have keys of their own.
+
+    Every `MirroredStrategy` numbers its collective groups from
+    1 + `_collective_key_base` (0 by default), so two of them in one process --
+    keras_dist's over 8 devices and another over 4, or the user's own -- join
+    each other's groups and fail ("joining a group with size 4, but that group
+    has size 8"). TensorFlow reads the base from the strategy when it builds
+    its extended part.
+    """
+
+    def __init__(self, devices: tuple[str, ...], *, key_base: int):
+        self._collective_key_base = key_base
+        super().__init__(devices=list(devices))
+
+
 class TensorFlowAdapter(BackendAdapter):
     name = "tensorflow"
 
@@ -144,6 +164,24 @@ class TensorFlowAdapter(BackendAdapter):
         self._worker_index = process_id
         internals.install_multi_worker_fixes()
 
+    def barrier(self, name: str, *, timeout_seconds: float) -> None:
+        strategy = self._multi_worker
+        if strategy is None or self._num_workers == 1:
+            return
+        # An all-reduce every worker joins; its timeout is the one the
+        # strategy was created with (`CommunicationOptions`).
+        try:
+            ones = strategy.run(lambda: tf.constant(1.0))
+            arrived = strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
+        except Exception as error:  # TF raises DeadlineExceeded, Unavailable...
+            raise self._barrier_timed_out(name, timeout_seconds, error) from error
+        expected = strategy.num_replicas_in_sync
+        if int(arrived.numpy()) != expected:
+            raise RuntimeError(
+                f"Barrier {name!r}: {int(arrived.numpy())} of {expected} replicas "
+                "arrived."
+            )
+
     # -- layouts ---------------------------------------------------------------
     def to_backend_mesh(self, device_mesh: Any) -> Any:
         raise NotImplementedError(_NOT_YET.format(what="DeviceMesh.backend_mesh"))
@@ -184,8 +222,8 @@ class TensorFlowAdapter(BackendAdapter):
                 )
             devices = tuple(_tf_device(name) for name in names)
             if devices not in self._mirrored:
-                self._mirrored[devices] = tf.distribute.MirroredStrategy(
-                    devices=list(devices)
+                self._mirrored[devices] = _MirroredStrategy(
+                    devices, key_base=_COLLECTIVE_KEY_RANGE * (1 + len(self._mirrored))
                 )
             strategy = self._mirrored[devices]
         if distribution.num_model_replicas != strategy.num_replicas_in_sync:
@@ -285,7 +323,19 @@ class TensorFlowAdapter(BackendAdapter):
                 "split it (auto_shard_dataset=True), or use KERAS_BACKEND=jax "
                 "or torch."
             )
+        steps_per_execution = getattr(model, "steps_per_execution", 1)
+        if steps_per_execution != 1:
+            raise ValueError(
+                "steps_per_execution > 1 is not supported on the TensorFlow "
+                "backend under a keras_dist distribution: Keras runs the steps "
+                "of one execution in a tf.while_loop over the distributed "
+                "iterator, which fails under tf.distribute strategies (plain "
+                "Keras too, keras-team/keras#19246). Compile with "
+                "steps_per_execution=1 (the default), or use KERAS_BACKEND=jax. "
+                f"Received: steps_per_execution={steps_per_execution}"
+            )
         internals.attach_strategy(model, strategy)
+        self._on_deactivate(model, internals.build_optimizer_in_scope(model, strategy))
         shuffle_stream = self.shuffle_stream(strategy)
         unchecked = [self._multi_worker is not None]
         unprepared = [True]
@@ -306,10 +356,18 @@ class TensorFlowAdapter(BackendAdapter):
             )
 
         self._on_deactivate(model, internals.manage(strategy))
-        self._on_deactivate(
-            model,
-            internals.fuse_gradient_all_reduce(getattr(model, "optimizer", None)),
-        )
+        # The user's own steps run as written (see `custom_steps`).
+        user_steps = internals.user_steps(model)
+        internals.install_unscaled_losses()
+        if "train_step" in user_steps:
+            self._on_deactivate(model, internals.average_in_user_steps(model, strategy))
+        else:
+            self._on_deactivate(
+                model,
+                internals.fuse_gradient_all_reduce(getattr(model, "optimizer", None)),
+            )
+        self._count_real_rows(model)
+        self._average_gradients(model)
         # BatchNormalization leaves padding rows out and, by default,
         # normalizes over the whole global batch (one all-reduce per layer).
         together = GlobalBatchNorm.Replicas(
@@ -323,7 +381,9 @@ class TensorFlowAdapter(BackendAdapter):
         self._on_deactivate(model, internals.unroute_batches)
         # The traced steps of the previous call are reused when nothing they
         # depend on changed: no retracing (about a second) at every call.
-        install_cached_steps(model, distribution, lambda: internals.make_steps(model))
+        install_cached_steps(
+            model, distribution, lambda: internals.make_steps(model, user_steps)
+        )
         self._on_deactivate(model, lambda: remove_cached_steps(model))
 
     def deactivate(self, model: Any) -> None:

@@ -23,10 +23,21 @@ from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 from keras_dist._keras_compat import (
     EpochRouting,
     GlobalBatchNorm,
+    layers_of,
+    optimizers_of,
     update_compiled_metrics,
     uses_keras_compute_metrics,
 )
 from keras_dist.backends.tf_input_adapter import DATA, MASK, SCALE
+from keras_dist.custom_steps import (
+    STEP_METHODS,
+    current_rows,
+    data_for_step,
+    global_logs,
+    make_rows,
+    overridden,
+    step_rows,
+)
 from keras_dist.padding import masked_row_weights
 
 _original_reduce_per_replica = tf_trainer.reduce_per_replica
@@ -143,7 +154,8 @@ def _maybe_symbolic_build(model: Any, iterator: Any = None, data_batch: Any = No
         # after a keras_dist call mirrored the model) belongs to the default
         # strategy, and building it in this scope raises "Mixing different
         # tf.distribute.Strategy objects". Its variables do not exist yet.
-        optimizer._distribution_strategy = strategy
+        for each in with_inner_optimizer(optimizer):
+            each._distribution_strategy = strategy
     if iterator is not None:
         for _, _, it in iterator:
             data_batch = keras.tree.map_structure(
@@ -206,23 +218,35 @@ def recreate_in_scope(strategy: Any, variables: list[Any], optimizer: Any) -> No
             variable._initialize(value)
             if optimizer is not None:
                 keys[old_key] = optimizer._var_key(variable)
-    if optimizer is not None and optimizer.built:
-        optimizer._trainable_variables_indices = {
-            optimizer._var_key(v): i
-            for i, v in enumerate(optimizer._trainable_variables)
+    # A loss-scaling optimizer's inner optimizer applies the updates: its
+    # indices are rebuilt too.
+    for each in with_inner_optimizer(optimizer):
+        if not each.built:
+            continue
+        each._trainable_variables_indices = {
+            each._var_key(v): i for i, v in enumerate(each._trainable_variables)
         }
-        excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
+        excluded = getattr(each, "_exclude_from_weight_decay", None)
         if excluded:
-            optimizer._exclude_from_weight_decay = {keys.get(k, k) for k in excluded}
-        optimizer._exclude_from_weight_decay_cache = {}
+            each._exclude_from_weight_decay = {keys.get(k, k) for k in excluded}
+        each._exclude_from_weight_decay_cache = {}
+
+
+def with_inner_optimizer(optimizer: Any) -> list[Any]:
+    """`optimizer` and, for a `LossScaleOptimizer` (mixed precision), the
+    optimizer it wraps, which has its own strategy and variables."""
+    if optimizer is None:
+        return []
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return [optimizer] if inner is None else [optimizer, inner]
 
 
 def attach_strategy(model: Any, strategy: Any) -> None:
     """Make `model` (and its optimizer) run under `strategy`."""
     model._distribute_strategy = strategy
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and hasattr(optimizer, "_distribution_strategy"):
-        optimizer._distribution_strategy = strategy
+    for optimizer in with_inner_optimizer(getattr(model, "optimizer", None)):
+        if hasattr(optimizer, "_distribution_strategy"):
+            optimizer._distribution_strategy = strategy
 
 
 def mirror_variables(model: Any, strategy: Any) -> None:
@@ -230,6 +254,30 @@ def mirror_variables(model: Any, strategy: Any) -> None:
     outside = variables_outside(strategy, model)
     if outside:
         recreate_in_scope(strategy, outside, getattr(model, "optimizer", None))
+
+
+def build_optimizer_in_scope(model: Any, strategy: Any) -> Callable[[], None]:
+    """Until the returned undo, `model`'s optimizer builds under `strategy`:
+    the model's variables mirrored first, its slots created in the scope.
+
+    Keras builds the optimizer when `fit` starts, in the strategy's scope; a
+    callback that builds it earlier (`BackupAndRestore`, to load its slots
+    from the backup) does so outside, which raises "Need to be inside `with
+    strategy.scope()`".
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or optimizer.built:
+        return lambda: None
+    build = optimizer.build
+
+    def build_in_scope(variables: Any) -> Any:
+        mirror_variables(model, strategy)
+        with strategy.scope():
+            return build(variables)
+
+    # On the instance, past Keras' attribute tracking.
+    optimizer.__dict__["build"] = build_in_scope
+    return lambda: optimizer.__dict__.pop("build", None)
 
 
 def prepare(model: Any, strategy: Any, batch: Any) -> None:
@@ -240,9 +288,28 @@ def prepare(model: Any, strategy: Any, batch: Any) -> None:
     optimizer slots the build creates sit next to mirrored variables.
     """
     mirror_variables(model, strategy)
+    x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
     with strategy.scope():
-        model._symbolic_build(data_batch=batch)
+        if y is None or getattr(model, "optimizer", None) is None:
+            # `predict` (no targets) or a model never compiled: the layers
+            # only, as Keras' own `predict` builds them (metrics need targets).
+            _build_layers(model, x)
+        else:
+            model._symbolic_build(data_batch=batch)
     mirror_variables(model, strategy)
+
+
+def _build_layers(model: Any, x: Any) -> None:
+    if all(layer.built for layer in layers_of(model)):
+        return
+
+    def symbolic(spec: Any) -> Any:
+        if spec is None:
+            return None
+        dtype = keras.backend.standardize_dtype(spec.dtype)
+        return keras.KerasTensor(spec.shape, dtype)
+
+    model(keras.tree.map_structure(symbolic, x), training=False)
 
 
 # -- steps ---------------------------------------------------------------------
@@ -370,16 +437,145 @@ def _apply_summed(model: Any, gradients: list[Any], trainable: list[Any]) -> Any
     return states.results(summed[-1])
 
 
-def make_steps(model: Any) -> dict[str, Callable]:
+# -- the user's own steps --------------------------------------------------------
+def user_steps(model: Any) -> set[str]:
+    """The steps that run the user's own code, which keras_dist runs as written
+    (see `custom_steps`): those `model`'s class overrides, and with its own
+    `compute_loss` Keras' train and test steps (which call it), as every loss
+    term it adds must be left unscaled and its gradient averaged."""
+    steps = set(overridden(model, tf_trainer.TensorFlowTrainer, STEP_METHODS))
+    if overridden(model, tf_trainer.TensorFlowTrainer, ("compute_loss",)):
+        steps |= {"train_step", "test_step"}
+    return steps
+
+
+_keras_scale_loss = loss_module.scale_loss_for_distribution
+_keras_unscale_loss = loss_module.unscale_loss_for_distribution
+
+
+def _scale_loss(value: Any) -> Any:
+    rows = current_rows()
+    if rows is not None and rows.unscaled_losses:
+        return value
+    return _keras_scale_loss(value)
+
+
+def _unscale_loss(value: Any) -> Any:
+    rows = current_rows()
+    if rows is not None and rows.unscaled_losses:
+        return value
+    return _keras_unscale_loss(value)
+
+
+def install_unscaled_losses() -> None:
+    """Keras divides each replica's losses by the replica count (for optimizers
+    that sum the gradients); inside a user's step, whose optimizers average
+    them instead, losses are left as one device computes them (idempotent)."""
+    loss_module.scale_loss_for_distribution = _scale_loss
+    loss_module.unscale_loss_for_distribution = _unscale_loss
+
+
+def _average_over_replicas(gradients: list[Any]) -> list[Any]:
+    context = _replica_context()
+    present = [i for i, g in enumerate(gradients) if g is not None]
+    if context is None or not present:
+        return gradients
+    averaged = context.all_reduce(
+        tf.distribute.ReduceOp.MEAN, [gradients[i] for i in present]
+    )
+    result = list(gradients)
+    for index, value in zip(present, averaged, strict=True):
+        result[index] = value
+    return result
+
+
+def _built_outside(build: Callable[..., Any], strategy: Any) -> Callable[..., Any]:
+    def build_mirrored(variables: Any) -> Any:
+        context = tf.distribute.get_replica_context()
+        if context is None:
+            return build(variables)
+
+        def in_cross_replica_context(_: Any) -> Any:
+            with tf.init_scope(), strategy.scope():
+                return build(variables)
+
+        return context.merge_call(in_cross_replica_context)
+
+    return build_mirrored
+
+
+def average_in_user_steps(model: Any, strategy: Any) -> Callable[[], None]:
+    """Every optimizer of `model` runs under `strategy` and leaves the
+    gradients' all-reduce to the user's step (`_average_over_replicas`), which
+    averages them; return the undo."""
+    optimizers = [
+        each
+        for optimizer in optimizers_of(model)
+        for each in with_inner_optimizer(optimizer)
+    ]
+    for optimizer in optimizers:
+        optimizer._distribution_strategy = strategy
+        # Its step counter and learning rate, created with it, are mirrored
+        # (the model's own optimizer is mirrored with the model).
+        outside = [
+            v
+            for v in optimizer.variables
+            if v._value is not None
+            and not strategy.extended.variable_created_in_scope(v._value)
+        ]
+        if outside:
+            recreate_in_scope(strategy, outside, optimizer)
+        object.__setattr__(optimizer, "_all_reduce_sum_gradients", _already_summed)
+        if not optimizer.built:
+            # Built lazily at its first `apply`, inside the replica step: its
+            # variables are created outside the traced function, mirrored.
+            object.__setattr__(
+                optimizer, "build", _built_outside(optimizer.build, strategy)
+            )
+
+    def undo() -> None:
+        for optimizer in optimizers:
+            optimizer.__dict__.pop("_all_reduce_sum_gradients", None)
+            optimizer.__dict__.pop("build", None)
+
+    return undo
+
+
+def _user_step(model: Any, step: str, batch: dict[str, Any]) -> Any:
+    data, mask, scale = batch[DATA], batch[MASK], batch[SCALE]
+    share = ops.cast(ops.shape(mask)[0], "float32") / scale
+    rows = make_rows(
+        model,
+        data,
+        mask,
+        scale,
+        share,
+        average_gradients=_average_over_replicas,
+        unscaled_losses=True,
+    )
+    with step_rows(rows), GlobalBatchNorm.rows(mask):
+        return getattr(type(model), step)(model, data_for_step(data, rows))
+
+
+def make_steps(model: Any, user_steps: set[str] = frozenset()) -> dict[str, Callable]:
+    def user_train_step(batch: Any) -> Any:
+        logs = _user_step(model, "train_step", batch)
+        return global_logs(model, logs, lambda: _global_results(model))
+
+    def user_test_step(batch: Any) -> Any:
+        logs = _user_step(model, "test_step", batch)
+        return global_logs(model, logs, lambda: _global_results(model))
+
     def train_step(batch: Any) -> Any:
         x, y, mask, weights, loss_weights, share = _split(batch)
         kwargs = {"training": True} if model._call_has_training_arg else {}
         with tf.GradientTape() as tape:
             with GlobalBatchNorm.rows(mask):
                 y_pred = model(x, **kwargs)
-            loss = model._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True
-            )
+            with step_rows(make_rows(model, batch[DATA], mask, batch[SCALE], share)):
+                loss = model._compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True
+                )
             _track(model, loss, (x, y, y_pred, mask, weights, share))
             if model.optimizer is not None:
                 loss = model.optimizer.scale_loss(loss)
@@ -396,21 +592,25 @@ def make_steps(model: Any) -> dict[str, Callable]:
         x, y, mask, weights, loss_weights, share = _split(batch)
         kwargs = {"training": False} if model._call_has_training_arg else {}
         y_pred = model(x, **kwargs)
-        loss = model._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=False
-        )
+        with step_rows(make_rows(model, batch[DATA], mask, batch[SCALE], share)):
+            loss = model._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=False
+            )
         _track(model, loss, (x, y, y_pred, mask, weights, share))
         return _global_results(model)
 
     def predict_step(batch: Any) -> Any:
-        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch[DATA])
-        kwargs = {"training": False} if model._call_has_training_arg else {}
-        y_pred = model(x, **kwargs)
+        if "predict_step" in user_steps:
+            y_pred = type(model).predict_step(model, batch[DATA])
+        else:
+            x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch[DATA])
+            kwargs = {"training": False} if model._call_has_training_arg else {}
+            y_pred = model(x, **kwargs)
         real = batch[MASK] > 0
         return keras.tree.map_structure(lambda out: tf.boolean_mask(out, real), y_pred)
 
     return {
-        "train_step": train_step,
-        "test_step": test_step,
+        "train_step": user_train_step if "train_step" in user_steps else train_step,
+        "test_step": user_test_step if "test_step" in user_steps else test_step,
         "predict_step": predict_step,
     }

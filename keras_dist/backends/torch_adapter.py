@@ -39,6 +39,7 @@ from keras_dist.backends.torch_input_adapter import (
     shard_loader,
 )
 from keras_dist.padding import check_same_input
+from keras_dist.random_streams import BackendStream, take_process_zero_streams
 
 
 def _dtensor() -> Any:
@@ -121,6 +122,34 @@ class TorchAdapter(BackendAdapter):
         # called without an active exception").
         atexit.register(_destroy_process_group)
 
+    def barrier(self, name: str, *, timeout_seconds: float) -> None:
+        if self._world()[0] == 1:
+            return
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        try:
+            if torch_distributed.get_backend() == "gloo":
+                # Names the ranks that did not arrive.
+                torch_distributed.monitored_barrier(timeout=timeout)
+            else:  # nccl: the process group's own timeout applies
+                torch_distributed.barrier()
+        except Exception as error:  # torch raises DistBackendError, RuntimeError
+            raise self._barrier_timed_out(name, timeout_seconds, error) from error
+
+    def wait_for_process_zero(self, key: str, *, timeout_seconds: float) -> None:
+        world_size, rank = self._world()
+        if world_size == 1:
+            return
+        # The key-value store the process group was formed through.
+        store = torch_distributed.distributed_c10d._get_default_store()
+        key = f"keras_dist:{key}"
+        try:
+            if rank == 0:
+                store.set(key, "done")
+            else:
+                store.wait([key], datetime.timedelta(seconds=timeout_seconds))
+        except Exception as error:  # torch raises DistStoreError, RuntimeError
+            raise self._barrier_timed_out(key, timeout_seconds, error) from error
+
     def to_backend_mesh(self, device_mesh: Any) -> Any:
         """A `torch.distributed.device_mesh.DeviceMesh` (one device per process)."""
         return _dtensor().torch_mesh(device_mesh)
@@ -136,9 +165,20 @@ class TorchAdapter(BackendAdapter):
             tensor_layout.axes, tensor_layout.device_mesh.axis_names
         )
 
+    def is_backend_layout(self, layout: Any) -> bool:
+        """DTensor placements, one per mesh axis (for a DTensor, on its mesh)."""
+        if not isinstance(layout, (tuple, list)) or not layout:
+            return False
+        modules = [type(item).__module__ for item in layout]
+        if not all(module.startswith("torch.distributed") for module in modules):
+            return False  # not placements: no need to import DTensor
+        return _dtensor().is_placements(layout)
+
     def distribute_tensor(self, tensor: Any, tensor_layout: Any) -> Any:
         """A DTensor laid out as `tensor_layout` says (torch's own semantics: a
         plain tensor is process 0's value, a DTensor is redistributed)."""
+        if self.is_backend_layout(tensor_layout):
+            return _dtensor().redistribute(tensor, tensor_layout)
         return _dtensor().distribute(
             tensor,
             tensor_layout.device_mesh.backend_mesh,
@@ -174,12 +214,30 @@ class TorchAdapter(BackendAdapter):
             )
         return False
 
-    def _collectives(self, model: Any) -> internals.Collectives:
+    def _collectives(self, model: Any, user_steps: set[str]) -> internals.Collectives:
         world_size, _ = self._world()
         forward = model
-        if world_size > 1:
+        if world_size > 1 and "train_step" not in user_steps:
             # Gradients are averaged by DDP's bucketed all-reduce during backward.
+            # (The user's own train_step calls the model itself: its optimizers
+            # average the gradients instead, see `average_gradients`.)
             forward = DistributedDataParallel(model)
+
+        def average_gradients(gradients: list[Any]) -> list[Any]:
+            present = [g for g in gradients if g is not None]
+            if world_size == 1 or not present:
+                return gradients
+            flat = torch.cat([g.reshape(-1) for g in present]) / world_size
+            torch_distributed.all_reduce(flat, op=torch_distributed.ReduceOp.SUM)
+            averaged, offset = [], 0
+            for gradient in gradients:
+                if gradient is None:
+                    averaged.append(None)
+                    continue
+                size = gradient.numel()
+                averaged.append(flat[offset : offset + size].view_as(gradient))
+                offset += size
+            return averaged
 
         def start_sum(tensor: Any) -> Any:
             if world_size == 1:
@@ -200,6 +258,7 @@ class TorchAdapter(BackendAdapter):
             world_size=world_size,
             start_sum=start_sum,
             gather_from_processes=gather_from_processes,
+            average_gradients=average_gradients,
             forward=forward,
             no_grad=torch.no_grad,
         )
@@ -214,6 +273,23 @@ class TorchAdapter(BackendAdapter):
             value = variable.value.detach().clone()
             torch_distributed.broadcast(value, src=0)
             variable.assign(value)
+
+    def take_process_zero_streams(self) -> None:
+        """Every process takes process 0's NumPy, Python and torch random
+        generators, from which Keras shuffles (a collective)."""
+
+        def broadcast(state: np.ndarray) -> np.ndarray:
+            words = torch.as_tensor(state.astype("int64"))
+            torch_distributed.broadcast(words, src=0)
+            return words.numpy()
+
+        torch_stream = BackendStream(
+            get=lambda: torch.get_rng_state().numpy(),
+            set=lambda words: torch.set_rng_state(
+                torch.as_tensor(np.asarray(words, "uint8"))
+            ),
+        )
+        take_process_zero_streams(broadcast, torch_stream)
 
     def _check_same_input(self, fingerprint: int) -> None:
         world_size, _ = self._world()
@@ -234,6 +310,8 @@ class TorchAdapter(BackendAdapter):
     def _activate(self, model: Any, distribution: Any) -> None:
         dtensors = self._check_layouts(model, distribution)
         world_size, rank = self._world()
+        # The user's own steps run as written (see `custom_steps`).
+        user_steps = internals.user_steps(model)
         if dtensors:
             # Variables become DTensors (process 0's values); every process
             # computes on each whole global batch: one replica, data not split.
@@ -245,13 +323,8 @@ class TorchAdapter(BackendAdapter):
         else:
             if world_size > 1:
                 self._broadcast_from_process_zero(model)
-            collectives = self._collectives(model)
+            collectives = self._collectives(model, user_steps)
             replicas, replica = world_size, rank
-        # The same shuffle on every process: process 0's draw seeds the stream.
-        seed = torch.tensor([np.random.randint(0, 2**31 - 1)], dtype=torch.int64)
-        if world_size > 1:
-            torch_distributed.broadcast(seed, src=0)
-        shuffle_stream = np.random.RandomState(int(seed.item()))
         device = self._device()
 
         def gather_sizes(local: np.ndarray) -> np.ndarray:
@@ -291,18 +364,22 @@ class TorchAdapter(BackendAdapter):
                 if sharded[data_adapter] is not None:
                     # Each process loads only its rows of each global batch.
                     return sharded[data_adapter].epoch()
+            # Keras' own batches as plain Keras reads them on torch (its
+            # DataLoader shuffles arrays from torch's generator).
             return RankBatches(
-                data_adapter.get_numpy_iterator(),
+                internals.keras_batches(data_adapter),
                 world_size=replicas,
                 rank=replica,
                 device=device,
-                shuffle_stream=shuffle_stream,
+                share_random_streams=(
+                    self.take_process_zero_streams if world_size > 1 else None
+                ),
                 check_same_input=self._check_same_input if world_size > 1 else None,
             )
 
         internals.route_batches(batches_for_epoch)
         self._on_deactivate(model, internals.unroute_batches)
-        steps = internals.make_steps(model, collectives)
+        steps = internals.make_steps(model, collectives, user_steps)
         if dtensors:
             steps = run.wrap_steps(steps)
             relayout = run.relayout
@@ -314,6 +391,8 @@ class TorchAdapter(BackendAdapter):
         self._on_deactivate(model, internals.route_output_layouts(relayout))
         install_steps(model, steps)
         self._on_deactivate(model, lambda: remove_steps(model))
+        self._count_real_rows(model)
+        self._average_gradients(model)
         if not dtensors:
             # BatchNormalization leaves padding rows out and, by default,
             # normalizes over the whole global batch (SyncBatchNorm). (Sharded

@@ -48,7 +48,13 @@ import numpy as np
 import torch
 import torch.distributed as torch_distributed
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_dist._keras_compat import layers_of, slot_owners
@@ -167,6 +173,28 @@ def distribute(
     if not isinstance(tensor, torch.Tensor):
         tensor = torch.as_tensor(np.asarray(tensor))
     return distribute_tensor(tensor.to(device), mesh, layout)
+
+
+def is_placements(layout: Any) -> bool:
+    """Whether `layout` is a sequence of DTensor placements (`Shard(0)`,
+    `Replicate()`...), what `TensorLayout.backend_layout` is on PyTorch."""
+    return (
+        isinstance(layout, (tuple, list))
+        and len(layout) > 0
+        and all(isinstance(placement, Placement) for placement in layout)
+    )
+
+
+def redistribute(tensor: Any, layout: Sequence[Placement]) -> DTensor:
+    """A DTensor `tensor` with placements `layout` on its own mesh."""
+    if not isinstance(tensor, DTensor):
+        raise ValueError(
+            "DTensor placements carry no device mesh, so they can only lay out "
+            "a DTensor (on its own mesh). For any other tensor pass a "
+            "TensorLayout with a device mesh. Received: a tensor of type "
+            f"{type(tensor).__name__} and layout={tuple(layout)}"
+        )
+    return tensor.redistribute(tensor.device_mesh, tuple(layout))
 
 
 def to_full(value: Any) -> Any:
@@ -503,6 +531,8 @@ def collectives(model: Any) -> internals.Collectives:
         world_size=1,
         start_sum=start_sum,
         gather_from_processes=lambda tensor: tensor,
+        # DTensor's gradients are already those of the whole batch.
+        average_gradients=lambda gradients: gradients,
         forward=model,
         no_grad=torch.no_grad,
     )

@@ -21,7 +21,6 @@ import keras
 import numpy as np
 import torch
 
-from keras_dist._keras_compat import numpy_random_stream
 from keras_dist.padding import fingerprint, leading_dim, pad_rows, padded_size
 from keras_dist.runtime import warn_once
 
@@ -62,8 +61,10 @@ class RankBatches:
         world_size: processes in the job.
         rank: this process.
         device: where this process computes.
-        shuffle_stream: NumPy stream Keras' shuffling draws from, seeded alike on
-            every process.
+        share_random_streams: called before the epoch's first batch, in a
+            multi-process job: every process takes process 0's global random
+            generators, so Keras' shuffling draws the same order everywhere
+            (`keras_dist.random_streams`). None in one process.
         check_same_input: called with the first batch's fingerprint; raises when
             the processes read different data.
     """
@@ -75,7 +76,7 @@ class RankBatches:
         world_size: int,
         rank: int,
         device: torch.device,
-        shuffle_stream: np.random.RandomState,
+        share_random_streams: Callable[[], None] | None = None,
         check_same_input: Callable[[int], None] | None = None,
     ):
         self._batches = batches
@@ -83,11 +84,20 @@ class RankBatches:
         self._world_size = world_size
         self._rank = rank
         self._device = device
-        self._shuffle_stream = shuffle_stream
+        self._share_random_streams = share_random_streams
         self._check_same_input = check_same_input
 
     def __iter__(self) -> RankBatches:
+        # When Keras asks, as without keras_dist: making a DataLoader's
+        # iterator draws from torch's generator.
+        self._start()
         return self
+
+    def _start(self) -> None:
+        if self._iterator is None:
+            if self._share_random_streams is not None:
+                self._share_random_streams()
+            self._iterator = iter(self._batches)
 
     def _to_device(self, leaf: Any) -> Any:
         if leaf is None:
@@ -95,10 +105,8 @@ class RankBatches:
         return torch.as_tensor(leaf, device=self._device)
 
     def __next__(self) -> RankBatch:
-        with numpy_random_stream(self._shuffle_stream):
-            if self._iterator is None:
-                self._iterator = iter(self._batches)
-            batch = next(self._iterator)
+        self._start()
+        batch = next(self._iterator)
         batch = keras.tree.map_structure(_as_numpy, batch)
         if self._check_same_input is not None:
             check, self._check_same_input = self._check_same_input, None

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
+import numpy as np
+import torch
 from keras import ops
 from keras.src.backend.torch import core as torch_core
 from keras.src.backend.torch import trainer as torch_trainer
@@ -21,6 +23,7 @@ from keras.src.trainers.data_adapters import (
     data_adapter_utils,
     torch_data_loader_adapter,
 )
+from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
 from keras_dist._keras_compat import (
     EpochRouting,
@@ -28,6 +31,16 @@ from keras_dist._keras_compat import (
     layers_of,
     update_compiled_metrics,
     uses_keras_compute_metrics,
+)
+from keras_dist.custom_steps import (
+    STEP_METHODS,
+    StepRows,
+    data_for_step,
+    global_logs,
+    make_rows,
+    overridden,
+    step_rows,
+    warn_padded_once,
 )
 from keras_dist.padding import masked_row_weights
 
@@ -42,6 +55,8 @@ class Collectives:
     # Starts summing a float tensor over processes in place; returns the wait.
     start_sum: Callable[[Any], Callable[[], None]]
     gather_from_processes: Callable[[Any], Any]  # rows of every process, in rank order
+    # Averages a list of gradients (None entries kept) over the processes.
+    average_gradients: Callable[[list[Any]], list[Any]]
     forward: Callable[..., Any]  # the model's forward through DDP
     no_grad: Callable[[], Any]
 
@@ -53,6 +68,10 @@ def check() -> list[str]:
         missing.append("keras.src.backend.torch.trainer.TorchEpochIterator")
     elif not hasattr(torch_trainer.TorchEpochIterator, "_get_iterator"):
         missing.append("TorchEpochIterator._get_iterator")
+    if not _shuffles_from_torch_generator():
+        missing.append(
+            "ArrayDataAdapter.get_torch_dataloader shuffles from torch's generator"
+        )
     loader_adapter = getattr(torch_data_loader_adapter, "TorchDataLoaderAdapter", None)
     if loader_adapter is None:
         missing.append(
@@ -87,6 +106,26 @@ def data_loader_of(data_adapter: Any) -> Any:
     if isinstance(data_adapter, torch_data_loader_adapter.TorchDataLoaderAdapter):
         return data_adapter.get_torch_dataloader()
     return None
+
+
+def keras_batches(data_adapter: Any) -> Any:
+    """The global batches exactly as Keras' torch trainer reads them: its
+    `DataLoader`, which shuffles arrays from torch's global generator."""
+    return data_adapter.get_torch_dataloader()
+
+
+def _shuffles_from_torch_generator() -> bool:
+    def order(seed: int) -> list[int]:
+        adapter = ArrayDataAdapter(np.arange(32)[:, None], batch_size=32, shuffle=True)
+        torch.manual_seed(seed)
+        (batch,) = iter(keras_batches(adapter))
+        return [int(value) for value in np.asarray(batch[0]).reshape(-1)]
+
+    saved = torch.get_rng_state()
+    try:
+        return order(0) == order(0) != order(1)
+    finally:
+        torch.set_rng_state(saved)
 
 
 def route_batches(source: Callable[[Any], Any]) -> None:
@@ -193,8 +232,64 @@ def _unused_weights_error(model: Any) -> ValueError | None:
     )
 
 
-def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
+def user_steps(model: Any) -> set[str]:
+    """The step methods `model`'s class overrides: its own code, which keras_dist
+    runs as written (see `custom_steps`)."""
+    return set(overridden(model, torch_trainer.TorchTrainer, STEP_METHODS))
+
+
+def _rows(
+    model: Any, batch: Any, collectives: Collectives, **options: Any
+) -> StepRows:
+    """What a step on `batch` (this process' rows) knows of them."""
+    return make_rows(
+        model,
+        batch.data,
+        batch.mask,
+        batch.padded_rows / batch.global_rows,
+        batch.global_rows / collectives.world_size,
+        **options,
+    )
+
+
+def _user_step(
+    model: Any, step: str, batch: Any, collectives: Collectives, **options: Any
+) -> Any:
+    """The class' own `step` (the user's) on this process' rows of `batch`."""
+    padded = batch.padded_rows != batch.global_rows
+    if padded:
+        warn_padded_once(model, step, batch.global_rows, batch.padded_rows)
+    rows = _rows(model, batch, collectives, **options)
+    with step_rows(rows), GlobalBatchNorm.rows(batch.mask, padded):
+        return getattr(type(model), step)(model, data_for_step(batch.data, rows))
+
+
+def make_steps(
+    model: Any, collectives: Collectives, user_steps: set[str] = frozenset()
+) -> dict[str, Callable]:
     first_step = [True]
+
+    def user_train_step(batch: Any) -> Any:
+        logs = _user_step(
+            model,
+            "train_step",
+            batch,
+            collectives,
+            average_gradients=collectives.average_gradients,
+        )
+        if collectives.world_size == 1:
+            results = type(model).get_metrics_result(model)
+        else:
+            # With the metric states, the state gradients do not sync
+            # (BatchNorm's moving statistics) is averaged.
+            results = _MetricSync(
+                model, collectives, average_non_trainable=True
+            ).finish()
+        return global_logs(model, logs, lambda: results)
+
+    def user_test_step(batch: Any) -> Any:
+        logs = _user_step(model, "test_step", batch, collectives)
+        return global_logs(model, logs, get_metrics_result)
 
     def train_step(batch: Any) -> Any:
         x, y, mask, weights, loss_weights = _weights(batch)
@@ -202,9 +297,10 @@ def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
         with GlobalBatchNorm.rows(mask, batch.padded_rows != batch.global_rows):
             y_pred = collectives.forward(x, **kwargs)
         model.zero_grad()
-        loss = model._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True
-        )
+        with step_rows(_rows(model, batch, collectives)):
+            loss = model._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True
+            )
         _update_metrics(
             model, loss, batch, (x, y, y_pred, mask, weights), collectives.world_size
         )
@@ -233,18 +329,22 @@ def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
         x, y, mask, weights, loss_weights = _weights(batch)
         kwargs = {"training": False} if model._call_has_training_arg else {}
         y_pred = model(x, **kwargs)
-        loss = model._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=False
-        )
+        with step_rows(_rows(model, batch, collectives)):
+            loss = model._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=False
+            )
         _update_metrics(
             model, loss, batch, (x, y, y_pred, mask, weights), collectives.world_size
         )
         return model.get_metrics_result()
 
     def predict_step(batch: Any) -> Any:
-        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch.data)
-        kwargs = {"training": False} if model._call_has_training_arg else {}
-        y_pred = model(x, **kwargs)
+        if "predict_step" in user_steps:
+            y_pred = type(model).predict_step(model, batch.data)
+        else:
+            x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch.data)
+            kwargs = {"training": False} if model._call_has_training_arg else {}
+            y_pred = model(x, **kwargs)
         if batch.own_predictions:
             real = batch.mask > 0
             return keras.tree.map_structure(lambda output: output[real], y_pred)
@@ -259,8 +359,8 @@ def make_steps(model: Any, collectives: Collectives) -> dict[str, Callable]:
         return _synced_results(model, collectives)
 
     return {
-        "train_step": train_step,
-        "test_step": test_step,
+        "train_step": user_train_step if "train_step" in user_steps else train_step,
+        "test_step": user_test_step if "test_step" in user_steps else test_step,
         "predict_step": predict_step,
         "get_metrics_result": get_metrics_result,
     }

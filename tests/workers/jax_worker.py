@@ -19,6 +19,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402
 
+from keras_dist.backends import get_adapter  # noqa: E402
 from keras_dist.backends.jax_input_adapter import DistributedBatches  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -78,12 +79,13 @@ def seen_ids(kind: str) -> list[list[float]]:
     distribution = kd.DataParallel()
     epochs = []
     adapter = get_data_adapter(**_inputs(kind))
-    stream = np.random.RandomState(11)
+    # Unseeded processes: process 0's generators must win.
+    share = get_adapter().take_process_zero_streams
     for _ in range(2 if kind != "generator" else 1):
         adapter.on_epoch_begin()
         ids: list[float] = []
         batches = DistributedBatches(
-            adapter.get_jax_iterator(), distribution, shuffle_stream=stream
+            adapter.get_jax_iterator(), distribution, share_random_streams=share
         )
         for batch in batches:
             data, mask = batch if hasattr(batch, "mask") else (batch, None)

@@ -17,6 +17,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402
 
+from keras_dist.backends import get_adapter  # noqa: E402
 from keras_dist.backends.torch_input_adapter import RankBatches  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -31,7 +32,8 @@ from jax_worker import (  # noqa: E402
 def seen_ids(kind: str) -> list[list[float]]:
     epochs = []
     adapter = get_data_adapter(**_inputs(kind))
-    stream = np.random.RandomState(11)
+    # Unseeded processes: process 0's generators must win.
+    share = get_adapter().take_process_zero_streams
     for _ in range(2 if kind != "generator" else 1):
         adapter.on_epoch_begin()
         ids: list[float] = []
@@ -40,7 +42,7 @@ def seen_ids(kind: str) -> list[list[float]]:
             world_size=kd.num_processes(),
             rank=kd.process_id(),
             device="cpu",
-            shuffle_stream=stream,
+            share_random_streams=share,
         )
         for batch in batches:
             rows = batch.data[0][:, 0].numpy()[batch.mask.numpy() > 0]

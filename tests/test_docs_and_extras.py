@@ -1,0 +1,104 @@
+"""What the documentation and the package extras promise.
+
+Relative paths in the docs, the README's word on `scope()` (backed by what
+`fit` does), and a GPU-capable TensorFlow for `keras-dist[tensorflow]` with the
+CPU-only build kept to the CPU set-up.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist.session import active_run
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# A home or work directory of some machine: /home/ann/..., /Users/bo/..., /work/...
+MACHINE_PATH = re.compile(r"(?<![\w.~])/(?:home|Users|root|work)/[\w.-]+")
+
+
+def _documents() -> list[pathlib.Path]:
+    skipped = {".venv", ".git", "node_modules"}
+    return [
+        path
+        for path in REPO.rglob("*.md")
+        if not skipped & set(path.relative_to(REPO).parts)
+        and not any(part.endswith(".egg-info") for part in path.parts)
+    ]
+
+
+def test_documents_name_no_path_of_a_development_machine():
+    documents = _documents()
+    assert REPO / "benchmarks" / "README.md" in documents
+    found = {
+        str(path.relative_to(REPO)): MACHINE_PATH.findall(path.read_text())
+        for path in documents
+    }
+    assert {name: paths for name, paths in found.items() if paths} == {}
+    for path in documents:
+        assert str(REPO) not in path.read_text(), path
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_readme_says_scope_distributes_only_trainer_models_and_fit_agrees():
+    readme = _words((REPO / "README.md").read_text())
+    assert (
+        "`with distribution.scope(): model.fit(...)` distributes only "
+        "`kd.Trainer` models" in readme
+    )
+
+    class Trainer(kd.Trainer, keras.Model):
+        pass
+
+    distributed = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            distributed[self.model.name] = active_run(self.model) is not None
+
+    x = np.ones((16, 2), "float32")
+    distribution = kd.DataParallel()
+    with distribution.scope():
+        for name, model_class in (("plain", keras.Model), ("trainer", Trainer)):
+            inputs = keras.Input((2,))
+            model = model_class(inputs, keras.layers.Dense(1)(inputs), name=name)
+            model.compile(optimizer="sgd", loss="mse")
+            model.fit(x, x[:, :1], batch_size=8, verbose=0, callbacks=[Probe()])
+    assert distributed == {"plain": False, "trainer": True}
+
+
+def _extras() -> dict[str, list[str]]:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(REPO / "pyproject.toml", "rb") as file:
+        return tomllib.load(file)["project"]["optional-dependencies"]
+
+
+def test_tensorflow_extra_is_the_gpu_capable_tensorflow():
+    extras = _extras()
+    assert extras["tensorflow"] == ["tensorflow>=2.21"]
+    assert "keras-dist[jax,torch,tensorflow,examples,test]" in extras["all"]
+
+
+def test_cpu_only_tensorflow_belongs_to_the_cpu_set_up():
+    extras = _extras()
+    cpu = extras["tensorflow-cpu"]
+    assert any(
+        r.startswith("tensorflow-cpu") and "platform_machine == 'x86_64'" in r
+        for r in cpu
+    )
+    # No tensorflow-cpu wheel outside x86_64: the plain one there.
+    assert any(
+        r.startswith("tensorflow>") and "platform_machine != 'x86_64'" in r for r in cpu
+    )
+    assert "keras-dist[jax,torch,tensorflow-cpu,examples,test]" in extras["all-cpu"]
+    readme = (REPO / "README.md").read_text()
+    command = readme.split("<!-- test-command -->")[1].split("```")[1]
+    assert '-c constraints/cpu.txt -e ".[all-cpu]"' in command

@@ -1,0 +1,175 @@
+"""Mixed precision (`mixed_float16`, a `LossScaleOptimizer`) and
+`steps_per_execution` under keras_dist, compared with plain Keras on one device.
+
+One process: 4 simulated devices on JAX and TensorFlow (run with
+KERAS_DIST_CPU_DEVICES=8), the one-process job on PyTorch.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+
+SAMPLES = 42  # the last batch of 8 has 2 rows: padded on 4 devices
+BATCH = 8
+EPOCHS = 2
+STEPS = EPOCHS * -(-SAMPLES // BATCH)
+
+# Float16 tolerance. The variables stay float32, but every product and every
+# gradient is rounded to float16 (relative error 2**-11 ~ 4.9e-4), and 4
+# replicas add their gradients in another order than one device: each Adam
+# update (at most lr = 0.01 per weight) may differ by a few float16 roundings
+# of itself, so after STEPS = 12 updates the weights agree to about
+# 12 * 0.01 * 3 * 4.9e-4 ~ 1.8e-4. Measured: 2e-5 (TensorFlow), 6e-5 (JAX).
+FLOAT16_ATOL = 2e-4
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 5)).astype("float32")
+    y = rng.integers(0, 3, size=(SAMPLES,))
+    return x, y
+
+
+def _model(steps_per_execution=1):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(3),
+            # Softmax and loss in float32, as Keras' mixed precision guide says.
+            keras.layers.Activation("softmax", dtype="float32"),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
+    )
+    return model
+
+
+def _distribution():
+    devices = kd.list_devices()
+    return kd.DataParallel(devices=devices[: min(4, len(devices))])
+
+
+def _fit(model, callbacks=(), epochs=EPOCHS):
+    x, y = _data()
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=list(callbacks),
+    )
+    return history.history
+
+
+def _loss_scale_state(model):
+    """The loss scale, its growth counter and the step counter, by name."""
+    optimizer = model.optimizer
+    return {
+        "dynamic_scale": float(np.asarray(optimizer.dynamic_scale)),
+        "step_counter": int(np.asarray(optimizer.step_counter)),
+        "iterations": int(np.asarray(optimizer.iterations)),
+    }
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def _assert_same_training(model, reference, history, reference_history, atol):
+    for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=atol, rtol=0)
+    for name, values in reference_history.items():
+        np.testing.assert_allclose(history[name], values, atol=atol, rtol=0)
+
+
+def test_mixed_float16_matches_one_device(mixed_float16):
+    """The model is built and compiled outside any scope (on TensorFlow its
+    loss-scaling optimizer and the optimizer it wraps belong to the default
+    strategy until keras_dist's call)."""
+    reference = _model()
+    assert isinstance(reference.optimizer, keras.optimizers.LossScaleOptimizer)
+    reference_history = _fit(reference)
+    model = _model()
+    history = _fit(model, [kd.DistributeCallback(_distribution())])
+    assert model.get_layer(index=0).compute_dtype == "float16"
+    _assert_same_training(model, reference, history, reference_history, FLOAT16_ATOL)
+    # The same loss scale, grown alike, after the same number of steps.
+    assert _loss_scale_state(model) == _loss_scale_state(reference)
+    assert _loss_scale_state(model)["iterations"] == STEPS
+    assert kd.distribution() is None
+
+
+def test_mixed_float16_continues_a_plain_keras_fit(mixed_float16):
+    """An optimizer already built by plain Keras (its slots and the inner
+    optimizer's indices exist) keeps training under the distribution."""
+    reference = _model()
+    reference_history = _fit(reference)
+    model = _model()
+    _fit(model, epochs=1)
+    history = _fit(model, [kd.DistributeCallback(_distribution())], epochs=1)
+    _assert_same_training(
+        model,
+        reference,
+        history,
+        {name: values[1:] for name, values in reference_history.items()},
+        FLOAT16_ATOL,
+    )
+    assert _loss_scale_state(model) == _loss_scale_state(reference)
+
+
+@pytest.mark.backend("jax")
+def test_steps_per_execution_matches_one_device():
+    reference = _model(steps_per_execution=2)
+    reference_history = _fit(reference)
+    model = _model(steps_per_execution=2)
+    history = _fit(model, [kd.DistributeCallback(_distribution())])
+    _assert_same_training(model, reference, history, reference_history, 1e-5)
+    assert int(np.asarray(model.optimizer.iterations)) == STEPS
+
+
+@pytest.mark.backend("tensorflow")
+def test_steps_per_execution_on_tensorflow_is_a_clear_error():
+    model = _model(steps_per_execution=2)
+    with pytest.raises(ValueError, match=r"steps_per_execution=2") as raised:
+        _fit(model, [kd.DistributeCallback(_distribution())])
+    assert "TensorFlow" in str(raised.value)
+    assert "keras-team/keras#19246" in str(raised.value)
+    assert kd.distribution() is None
+    # Nothing was changed: with steps_per_execution=1 the same model trains.
+    reference = _model()
+    reference_history = _fit(reference)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    history = _fit(model, [kd.DistributeCallback(_distribution())])
+    _assert_same_training(model, reference, history, reference_history, 1e-5)
+
+
+@pytest.mark.backend("torch")
+def test_steps_per_execution_on_torch_is_keras_own_error_and_leaves_nothing_on():
+    """Keras' PyTorch trainer refuses steps_per_execution > 1 (plain Keras
+    too); the call raises it once the distribution is on, which must not
+    stay on."""
+    with pytest.raises(ValueError, match="must be 1 with the PyTorch backend"):
+        _fit(_model(steps_per_execution=2), [])
+    model = _model(steps_per_execution=2)
+    with pytest.raises(ValueError, match="must be 1 with the PyTorch backend"):
+        _fit(model, [kd.DistributeCallback(_distribution())])
+    assert kd.distribution() is None
