@@ -175,7 +175,7 @@ def test_torch_sharding_over_more_devices_than_processes_is_refused():
 def test_torch_layouts_become_dtensor_placements():
     from torch.distributed.tensor import Replicate, Shard
 
-    from keras_dist.backends.torch_dtensor import placements
+    from keras_dist.backends.torch.dtensor import placements
 
     names = ["batch", "model"]
     assert placements((None, "model"), names) == (Replicate(), Shard(1))
@@ -191,7 +191,7 @@ def test_torch_layouts_become_dtensor_placements():
 
 @pytest.mark.backend("torch")
 def test_torch_meshes_need_one_device_per_process():
-    from keras_dist.backends.torch_dtensor import mesh_ranks
+    from keras_dist.backends.torch.dtensor import mesh_ranks
 
     mesh = kd.DeviceMesh((1, 2), ["batch", "model"], ["cpu:1", "cpu:0"])
     assert mesh_ranks(mesh, 2).tolist() == [[1, 0]]
@@ -203,7 +203,7 @@ def test_torch_meshes_need_one_device_per_process():
 
 @pytest.mark.backend("torch")
 def test_torch_sharding_with_per_process_data_is_refused():
-    from keras_dist.backends.torch_dtensor import check_batch_axis
+    from keras_dist.backends.torch.dtensor import check_batch_axis
 
     devices = [f"cpu:{i}" for i in range(4)]
     mesh = kd.DeviceMesh((2, 2), ["batch", "model"], devices)

@@ -93,7 +93,8 @@ def test_workers_reading_different_data_fail_naming_them(tmp_path):
 
 def test_keras_multi_worker_bugs_and_their_workarounds(tmp_path):
     """keras-team/keras#20585, reproduced with Keras alone: when this fails
-    because Keras fixed a bug, drop that workaround from tf_keras_internals."""
+    because Keras fixed a bug, drop that workaround from
+    backends/tensorflow/keras_internals.py."""
     results = run_job(
         "tf_worker.py", ["keras_20585"], processes=2, env=TF, output_dir=tmp_path
     )

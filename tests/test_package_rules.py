@@ -11,20 +11,15 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_dist"
 BACKEND_IMPORT = re.compile(r"^\s*(import|from)\s+(jax|torch|tensorflow)\b", re.M)
 
 
-_BACKEND_PREFIX = {"jax": "jax_", "torch": "torch_", "tensorflow": "tf_"}
-
-
 def test_only_each_backends_own_modules_import_it():
-    # jax, torch and tensorflow are imported only by the backends/ modules named
-    # for them (jax_*.py, torch_*.py, tf_*.py), each only its own.
+    # jax, torch and tensorflow are imported only by the modules of the backend
+    # subpackage named for them (backends/jax/, backends/torch/,
+    # backends/tensorflow/), each only its own.
     offenders = [
         f"{path.relative_to(PACKAGE)} imports {match.group(2)}"
         for path in PACKAGE.rglob("*.py")
         for match in BACKEND_IMPORT.finditer(path.read_text())
-        if not (
-            path.parent.name == "backends"
-            and path.name.startswith(_BACKEND_PREFIX[match.group(2)])
-        )
+        if path.parent != PACKAGE / "backends" / match.group(2)
     ]
     assert offenders == []
 
@@ -32,14 +27,15 @@ def test_only_each_backends_own_modules_import_it():
 def test_keras_private_imports_stay_in_the_compat_modules():
     allowed = {
         "_keras_compat.py",
-        "jax_keras_internals.py",
-        "torch_keras_internals.py",
-        "tf_keras_internals.py",
+        "backends/jax/keras_internals.py",
+        "backends/torch/keras_internals.py",
+        "backends/tensorflow/keras_internals.py",
     }
     offenders = [
         str(path.relative_to(PACKAGE))
         for path in PACKAGE.rglob("*.py")
-        if "keras.src" in path.read_text() and path.name not in allowed
+        if "keras.src" in path.read_text()
+        and path.relative_to(PACKAGE).as_posix() not in allowed
     ]
     assert offenders == []
 

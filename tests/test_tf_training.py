@@ -69,7 +69,7 @@ def unpatched_keras(monkeypatch):
     call has run yet (the first activation installs the workaround)."""
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    from keras_dist.backends import tf_keras_internals
+    from keras_dist.backends.tensorflow import keras_internals as tf_keras_internals
 
     monkeypatch.setattr(
         tf_trainer.TensorFlowTrainer,

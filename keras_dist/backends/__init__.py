@@ -10,9 +10,9 @@ import keras
 from keras_dist.backends.base import BackendAdapter
 
 _ADAPTER_MODULES = {
-    "jax": "keras_dist.backends.jax_adapter",
-    "torch": "keras_dist.backends.torch_adapter",
-    "tensorflow": "keras_dist.backends.tf_adapter",
+    "jax": "keras_dist.backends.jax.adapter",
+    "torch": "keras_dist.backends.torch.adapter",
+    "tensorflow": "keras_dist.backends.tensorflow.adapter",
 }
 
 

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402
 
 from keras_dist.backends import get_adapter  # noqa: E402
-from keras_dist.backends.jax_input_adapter import DistributedBatches  # noqa: E402
+from keras_dist.backends.jax.input_adapter import DistributedBatches  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import scenarios  # noqa: E402

@@ -32,7 +32,7 @@ def seen_ids() -> list[list[float]]:
     from keras.src.trainers.data_adapters import get_data_adapter
 
     from keras_dist.backends import get_adapter
-    from keras_dist.backends import tf_input_adapter as inputs
+    from keras_dist.backends.tensorflow import input_adapter as inputs
 
     adapter = get_adapter()
     distribution = kd.DataParallel()
@@ -90,7 +90,7 @@ def keras_20585() -> dict:
     errors["keras"] = fit()
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    from keras_dist.backends import tf_keras_internals
+    from keras_dist.backends.tensorflow import keras_internals as tf_keras_internals
 
     # Only the symbolic-build fix: the next bug shows.
     tf_trainer.TensorFlowTrainer._maybe_symbolic_build = (

@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402
 
 from keras_dist.backends import get_adapter  # noqa: E402
-from keras_dist.backends.torch_input_adapter import RankBatches  # noqa: E402
+from keras_dist.backends.torch.input_adapter import RankBatches  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import scenarios  # noqa: E402

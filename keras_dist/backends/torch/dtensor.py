@@ -58,7 +58,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_dist._keras_compat import layers_of, slot_owners
-from keras_dist.backends import torch_keras_internals as internals
+from keras_dist.backends.torch import keras_internals as internals
 
 _meshes: dict[tuple, TorchDeviceMesh] = {}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -25,9 +25,9 @@ from keras_dist._keras_compat import (
     install_cached_steps,
     remove_cached_steps,
 )
-from keras_dist.backends import tf_input_adapter as inputs
-from keras_dist.backends import tf_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
+from keras_dist.backends.tensorflow import input_adapter as inputs
+from keras_dist.backends.tensorflow import keras_internals as internals
 from keras_dist.padding import check_same_input, fingerprint
 
 _NOT_YET = (

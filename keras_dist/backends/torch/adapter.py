@@ -6,7 +6,7 @@ Keras' `fit`. A torch `DataLoader` is split between processes the way
 loads only its own rows of each global batch (`ShardedLoader`).
 
 `ModelParallel` layouts that shard variables run through DTensor
-(`torch_dtensor`): for the call, every weight and its optimizer slots become
+(`dtensor`): for the call, every weight and its optimizer slots become
 DTensors on a torch mesh of the keras_dist mesh's shape (one device per
 process), sharded where the `LayoutMap` says; every process reads the whole
 global batch and computes on its rows along the batch axis (all of them when
@@ -30,9 +30,9 @@ from torch.distributed.nn.functional import all_reduce as differentiable_all_red
 from torch.nn.parallel import DistributedDataParallel
 
 from keras_dist._keras_compat import GlobalBatchNorm, install_steps, remove_steps
-from keras_dist.backends import torch_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
-from keras_dist.backends.torch_input_adapter import (
+from keras_dist.backends.torch import keras_internals as internals
+from keras_dist.backends.torch.input_adapter import (
     ProcessLocalRankBatches,
     RankBatches,
     ShardedLoader,
@@ -45,9 +45,9 @@ from keras_dist.random_streams import BackendStream, take_process_zero_streams
 def _dtensor() -> Any:
     """keras_dist's DTensor module, imported only when a layout names a mesh
     axis: `torch.distributed.tensor` adds about a second to every start."""
-    from keras_dist.backends import torch_dtensor  # noqa: PLC0415
+    from keras_dist.backends.torch import dtensor  # noqa: PLC0415
 
-    return torch_dtensor
+    return dtensor
 
 
 def _destroy_process_group() -> None:

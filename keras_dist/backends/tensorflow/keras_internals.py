@@ -28,7 +28,7 @@ from keras_dist._keras_compat import (
     update_compiled_metrics,
     uses_keras_compute_metrics,
 )
-from keras_dist.backends.tf_input_adapter import DATA, MASK, SCALE
+from keras_dist.backends.tensorflow.input_adapter import DATA, MASK, SCALE
 from keras_dist.custom_steps import (
     STEP_METHODS,
     current_rows,

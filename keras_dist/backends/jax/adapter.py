@@ -13,9 +13,9 @@ from jax.experimental import layout as jax_layout
 from jax.experimental import multihost_utils
 
 from keras_dist._keras_compat import GlobalBatchNorm, slot_owners
-from keras_dist.backends import jax_keras_internals as internals
 from keras_dist.backends.base import BackendAdapter
-from keras_dist.backends.jax_input_adapter import (
+from keras_dist.backends.jax import keras_internals as internals
+from keras_dist.backends.jax.input_adapter import (
     DistributedBatches,
     ProcessLocalBatches,
     trim_outputs,

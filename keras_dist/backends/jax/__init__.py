@@ -1,0 +1,1 @@
+"""The JAX backend: `jax.sharding` layouts, `jax.distributed` processes."""

@@ -1,0 +1,1 @@
+"""The PyTorch backend: DistributedDataParallel and DTensor, `torch.distributed`."""
