@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -316,6 +317,15 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
                 f"layout_map.device_mesh={describe_mesh(map_mesh)}"
             )
         for key in layout_map:
+            try:
+                re.compile(key)
+            except re.error as error:
+                # Keras' own LayoutMap accepts any string and fails at lookup
+                # with a bare `re.error` naming no key.
+                raise ValueError(
+                    f"LayoutMap keys are regular expressions; {key!r} is not a "
+                    f"valid one ({error})."
+                ) from None
             layout = layout_map[key]
             validate_axes_in_mesh(layout.axes, device_mesh)
         super().__init__(device_mesh, batch_dim_name, auto_shard_dataset)
@@ -332,6 +342,16 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
     @property
     def layout_map(self) -> Any:
         return self._layout_map
+
+    def unmatched_keys(self, paths: list[str]) -> list[str]:
+        """The `layout_map` keys that match none of `paths` (variable paths,
+        and `"<layer path>/output"` for layer outputs): a typo or a key for
+        another model, which would silently leave everything replicated."""
+        return [
+            key
+            for key in self._layout_map
+            if not any(key == path or re.search(key, path) for path in paths)
+        ]
 
     def _on_mesh(self, layout: Any) -> Any:
         if layout is None or layout.device_mesh is not None:

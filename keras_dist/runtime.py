@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -185,12 +186,15 @@ def resolve_cluster(
 def _timeout_from_environment() -> float:
     raw = os.environ.get(TIMEOUT_VARIABLE, "")
     try:
-        return float(raw) if raw else DEFAULT_INIT_TIMEOUT_SECONDS
+        seconds = float(raw) if raw else DEFAULT_INIT_TIMEOUT_SECONDS
     except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):  # "nan", "inf", "-1"
         raise ValueError(
             f"{TIMEOUT_VARIABLE} must be a positive number of seconds. "
             f"Received: {TIMEOUT_VARIABLE}={raw!r}"
-        ) from None
+        )
+    return seconds
 
 
 def _wait_for_coordinator(

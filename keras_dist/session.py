@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,11 +13,12 @@ import keras
 from keras_dist import saving
 from keras_dist._keras_compat import (
     KerasDistribution,
+    layers_of,
     run_model_calls_within,
     silence_callbacks,
 )
 from keras_dist.backends import get_adapter
-from keras_dist.policies import Distribution
+from keras_dist.policies import Distribution, ModelParallel
 
 _active_runs: dict[int, DistributedRun] = {}
 # One token per Keras fit/evaluate/predict in progress, innermost last.
@@ -75,6 +77,7 @@ class DistributedRun:
             raise
         _active_runs[key] = self
         self.active = True
+        _warn_unmatched_layout_keys(self.model, self.distribution)
         self._call = _calls_in_progress[-1] if _calls_in_progress else None
         # One voice: only process 0 shows progress bars and per-epoch logs.
         # (Files, from checkpoints to CSV logs and TensorBoard events, are
@@ -108,6 +111,33 @@ class DistributedRun:
                 get_adapter().deactivate(self.model)
             finally:
                 keras.distribution.set_distribution(self._previous)
+
+
+_warned_keys: set[tuple[int, str]] = set()
+
+
+def _warn_unmatched_layout_keys(model: Any, distribution: Any) -> None:
+    """Warn once (process 0) for each LayoutMap key that matches no variable
+    and no layer output of the built `model`: it silently does nothing."""
+    if (
+        not isinstance(distribution, ModelParallel)
+        or not model.variables
+        or get_adapter().process_id() != 0
+    ):
+        return
+    paths = [variable.path for variable in model.variables]
+    paths += [f"{layer.path}/output" for layer in layers_of(model) if layer.path]
+    for key in distribution.unmatched_keys(paths):
+        if (id(distribution), key) in _warned_keys:
+            continue
+        _warned_keys.add((id(distribution), key))
+        warnings.warn(
+            f"LayoutMap key {key!r} matches no variable of model {model.name!r} "
+            "and no layer output, so its layout is used nowhere. Variable paths "
+            f"look like {paths[0]!r}; check the key for typos.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def active_run(model: Any) -> DistributedRun | None:

@@ -934,7 +934,9 @@ def test_initialize_timeout_from_environment_not_positive(
     monkeypatch, adapter_must_not_join
 ):
     monkeypatch.setenv("KERAS_DIST_INIT_TIMEOUT", "0")
-    with pytest.raises(ValueError, match=escaped("Received: 0.0")):
+    with pytest.raises(
+        ValueError, match=escaped("Received: KERAS_DIST_INIT_TIMEOUT='0'")
+    ):
         kd.initialize()
 
 
