@@ -268,6 +268,13 @@ def make_steps(
     model: Any, collectives: Collectives, user_steps: set[str] = frozenset()
 ) -> dict[str, Callable]:
     first_step = [True]
+    world_size = collectives.world_size
+
+    def rows_of(batch: Any, mask: Any, loss_weights: Any, weights: Any) -> StepRows:
+        # The weights the step computed already (no extra work per step).
+        return StepRows(
+            model, mask, loss_weights, weights, batch.global_rows / world_size
+        )
 
     def user_train_step(batch: Any) -> Any:
         logs = _user_step(
@@ -297,7 +304,7 @@ def make_steps(
         with GlobalBatchNorm.rows(mask, batch.padded_rows != batch.global_rows):
             y_pred = collectives.forward(x, **kwargs)
         model.zero_grad()
-        with step_rows(_rows(model, batch, collectives)):
+        with step_rows(rows_of(batch, mask, loss_weights, weights)):
             loss = model._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True
             )
@@ -329,7 +336,7 @@ def make_steps(
         x, y, mask, weights, loss_weights = _weights(batch)
         kwargs = {"training": False} if model._call_has_training_arg else {}
         y_pred = model(x, **kwargs)
-        with step_rows(_rows(model, batch, collectives)):
+        with step_rows(rows_of(batch, mask, loss_weights, weights)):
             loss = model._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=False
             )
