@@ -55,19 +55,7 @@ def run_job(
         children.append(
             (subprocess.Popen(command, env=child_env, stdout=log, stderr=log), log)
         )
-    deadline = time.monotonic() + timeout
-    try:
-        for child, _ in children:
-            remaining = max(1.0, deadline - time.monotonic())
-            child.wait(timeout=remaining)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for child, log in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait(timeout=30)
-            log.close()
+    wait_then_clean_up(children, timeout)
     failures = [rank for rank, (child, _) in enumerate(children) if child.returncode]
     if allow_failures:
         return [
@@ -85,6 +73,23 @@ def run_job(
         json.loads((output_dir / f"result-{rank}.json").read_text())
         for rank in range(processes)
     ]
+
+
+def wait_then_clean_up(children: list, timeout: float) -> None:
+    """Wait up to `timeout` s for every `(process, log)` of `children`; kill
+    those still running and close the logs."""
+    deadline = time.monotonic() + timeout
+    try:
+        for child, _ in children:
+            child.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for child, log in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+            log.close()
 
 
 def log_of(output_dir: pathlib.Path, rank: int) -> str:

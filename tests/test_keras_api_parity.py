@@ -12,7 +12,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import keras
 import numpy as np
@@ -21,7 +20,7 @@ import pytest
 import keras_dist as kd
 from keras_dist import cluster, runtime
 from keras_dist.backends import get_adapter
-from tests.multiprocess import WORKERS, free_port, run_job
+from tests.multiprocess import WORKERS, free_port, run_job, wait_then_clean_up
 from tests.workers import keras_api_scenarios as scenarios
 
 BACKEND = keras.backend.backend()
@@ -383,18 +382,7 @@ def _open_mpi_job(port: int, output_dir: pathlib.Path) -> list[dict]:
         children.append(
             (subprocess.Popen(command, env=env, stdout=log, stderr=log), log)
         )
-    deadline = time.monotonic() + 180
-    try:
-        for child, _ in children:
-            child.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for child, log in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait(timeout=30)
-            log.close()
+    wait_then_clean_up(children, 180)
     logs = [(output_dir / f"log-{rank}.txt").read_text()[-3000:] for rank in (0, 1)]
     assert [child.returncode for child, _ in children] == [0, 0], logs
     import json
