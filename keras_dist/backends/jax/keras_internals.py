@@ -26,6 +26,7 @@ from keras_dist._keras_compat import (
 )
 from keras_dist.custom_steps import (
     STEP_METHODS,
+    StepRows,
     data_for_step,
     make_rows,
     overridden,
@@ -164,7 +165,9 @@ def masked_train_step(
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, weights, loss_weights, real_rows, mask = _split(batch)
     grad_fn = value_and_grad(model.compute_loss_and_updates, has_aux=True)
-    rows = make_rows(model, batch.data, mask, mask.shape[0] / real_rows, real_rows)
+    # The weights `_split` computed (Keras' per-output loss trackers need
+    # `real_rows`, see `custom_steps`).
+    rows = StepRows(model, mask, loss_weights, weights, real_rows)
     with GlobalBatchNorm.rows(mask), step_rows(rows):
         (_, aux), grads = grad_fn(
             trainable,
@@ -189,7 +192,9 @@ def masked_train_step(
 def masked_test_step(model: Any, state: Any, batch: MaskedBatch) -> Any:
     trainable, non_trainable, metrics_variables = state
     x, y, weights, loss_weights, real_rows, mask = _split(batch)
-    rows = make_rows(model, batch.data, mask, mask.shape[0] / real_rows, real_rows)
+    # The weights `_split` computed (Keras' per-output loss trackers need
+    # `real_rows`, see `custom_steps`).
+    rows = StepRows(model, mask, loss_weights, weights, real_rows)
     with step_rows(rows):
         _, aux = model.compute_loss_and_updates(
             trainable,

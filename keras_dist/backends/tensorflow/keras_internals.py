@@ -31,6 +31,7 @@ from keras_dist._keras_compat import (
 from keras_dist.backends.tensorflow.input_adapter import DATA, MASK, SCALE
 from keras_dist.custom_steps import (
     STEP_METHODS,
+    StepRows,
     current_rows,
     data_for_step,
     global_logs,
@@ -572,7 +573,7 @@ def make_steps(model: Any, user_steps: set[str] = frozenset()) -> dict[str, Call
         with tf.GradientTape() as tape:
             with GlobalBatchNorm.rows(mask):
                 y_pred = model(x, **kwargs)
-            with step_rows(make_rows(model, batch[DATA], mask, batch[SCALE], share)):
+            with step_rows(StepRows(model, mask, loss_weights, weights, share)):
                 loss = model._compute_loss(
                     x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True
                 )
@@ -592,7 +593,7 @@ def make_steps(model: Any, user_steps: set[str] = frozenset()) -> dict[str, Call
         x, y, mask, weights, loss_weights, share = _split(batch)
         kwargs = {"training": False} if model._call_has_training_arg else {}
         y_pred = model(x, **kwargs)
-        with step_rows(make_rows(model, batch[DATA], mask, batch[SCALE], share)):
+        with step_rows(StepRows(model, mask, loss_weights, weights, share)):
             loss = model._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=False
             )

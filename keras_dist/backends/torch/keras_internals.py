@@ -238,9 +238,7 @@ def user_steps(model: Any) -> set[str]:
     return set(overridden(model, torch_trainer.TorchTrainer, STEP_METHODS))
 
 
-def _rows(
-    model: Any, batch: Any, collectives: Collectives, **options: Any
-) -> StepRows:
+def _rows(model: Any, batch: Any, collectives: Collectives, **options: Any) -> StepRows:
     """What a step on `batch` (this process' rows) knows of them."""
     return make_rows(
         model,
