@@ -114,6 +114,32 @@ def wrap_saving_functions(wrap: Callable[[Callable[..., Any]], Callable[..., Any
                 setattr(namespace, name, wrapped)
 
 
+def tolerate_existing_directories() -> None:
+    """Let Keras' `file_utils.makedirs` accept a directory that appeared after
+    its caller checked (idempotent).
+
+    `ModelCheckpoint` creates its directory when `exists()` says it is not
+    there; every process of a job does that at the same step, and all but the
+    first would fail with `FileExistsError`.
+    """
+    from keras.src.utils import file_utils  # noqa: PLC0415
+
+    original = file_utils.makedirs
+    if getattr(original, "_keras_dist_wrapped", False):
+        return
+
+    def makedirs(path: Any) -> Any:
+        try:
+            return original(path)
+        except FileExistsError:
+            if file_utils.isdir(path):
+                return None
+            raise
+
+    makedirs._keras_dist_wrapped = True
+    file_utils.makedirs = makedirs
+
+
 def one_writer_backup_and_restore(
     is_writer: Callable[[], bool], barrier: Callable[[str], None]
 ) -> None:
@@ -841,6 +867,13 @@ def _check_saving() -> list[str]:
     ):
         if not hasattr(backup, name):
             missing.append(f"BackupAndRestore.{name}")
+    from keras.src.callbacks import model_checkpoint  # noqa: PLC0415
+    from keras.src.utils import file_utils  # noqa: PLC0415
+
+    if getattr(model_checkpoint, "file_utils", None) is not file_utils or not callable(
+        getattr(file_utils, "makedirs", None)
+    ):
+        missing.append("ModelCheckpoint creates directories with file_utils.makedirs")
     return missing
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import keras
 
+from keras_dist.faults import heartbeat
 from keras_dist.session import DistributedRun, check_distribution
 
 _MODES = ("train", "test", "predict")
@@ -59,10 +60,18 @@ class DistributeCallback(keras.callbacks.Callback):
     def _begin(self, mode: str) -> None:
         if self._owner is None:
             self._owner = mode
+        if self._run is not None:
+            # The hang doctor follows the call's steps (phase and progress).
+            heartbeat.begin_call(self.model, mode)
 
     def _end(self, mode: str) -> None:
+        if self._run is not None:
+            heartbeat.end_call(self.model)
         if self._owner == mode:
             self.close()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        heartbeat.begin_epoch(epoch)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._begin("train")

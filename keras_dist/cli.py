@@ -42,6 +42,7 @@ def _launch(arguments: argparse.Namespace) -> int:
             node_rank=arguments.node_rank,
             coordinator=arguments.coordinator,
             max_restarts=arguments.max_restarts,
+            hang_timeout=arguments.hang_timeout,
         )
     except (TypeError, ValueError) as error:
         arguments.usage_error(str(error))  # exits with code 2, like argparse
@@ -104,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="K",
         help="restart all processes after a failure, up to K times",
+    )
+    launch.add_argument(
+        "--hang-timeout",
+        type=float,
+        metavar="S",
+        help="when a rank makes no progress for S seconds inside a keras_dist "
+        "fit/evaluate/predict, every rank prints its Python stacks, one summary "
+        "names the rank(s) behind and the job ends with code 124; 0 turns this "
+        "off (default: KERAS_DIST_HANG_TIMEOUT, else 1800)",
     )
     launch.add_argument("script", help="the Python script each process runs")
     launch.add_argument(

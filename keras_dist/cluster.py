@@ -424,6 +424,15 @@ class TFConfigEnvironment(ClusterEnvironment):
         lists, _ = self._config()
         return len(lists["chief"]) + len(lists["worker"])
 
+    def tasks(self) -> list[tuple[str, int, str]]:
+        """`(task type, index, "host:port")` of every process, in rank order."""
+        lists, _ = self._config()
+        return [
+            (task_type, index, address)
+            for task_type in _TF_CONFIG_TASK_TYPES
+            for index, address in enumerate(lists[task_type])
+        ]
+
     def process_id(self) -> int:
         lists, task = self._config()
         if not isinstance(task, dict):

@@ -6,18 +6,44 @@ backend, because the processes it starts pick their own backend.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
+import importlib.util
+import json
+import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import types
 from typing import BinaryIO, TextIO
 
 DEFAULT_GRACE_PERIOD_SECONDS = 10.0
 LOCAL_COORDINATOR_HOST = "127.0.0.1"
+# Where each rank finds the attempt's job directory: its error report, its
+# heartbeat and its own temporary directory live there (see `job_paths`).
+JOB_DIRECTORY_VARIABLE = "KERAS_DIST_JOB_DIR"
+# Each rank's hang timeout (`--hang-timeout`; keras_dist.faults.hang_doctor).
+HANG_TIMEOUT_VARIABLE = "KERAS_DIST_HANG_TIMEOUT"
+# The launcher's pid: a rank ends when it is gone (see keras_dist.faults).
+LAUNCHER_PID_VARIABLE = "KERAS_DIST_LAUNCHER_PID"
+_JOB_DIRECTORY_PREFIX = "keras_dist_job_"
+# After the first failure, how long the other ranks get to end (and report)
+# on their own before they are stopped: the root cause may not be the first
+# exit the launcher sees (see `Launcher._root_cause`).
+_REPORT_WAIT_SECONDS = 1.0
+# Signals that end a rank from outside; a failing peer causes exceptions and
+# aborts (SIGABRT), never these (the launcher stops ranks only after it has
+# named the root cause).
+_SIGNALS_FROM_OUTSIDE = frozenset(
+    {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+)
 # Polling keeps the watch loop simple; 50 ms is far below any time that matters.
 _POLL_SECONDS = 0.05
 # Readers block while a grandchild keeps a pipe open; wait on them only briefly.
@@ -72,6 +98,19 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         )
 
 
+def _check_hang_timeout(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            "`hang_timeout` must be a number of seconds (0 turns the hang doctor "
+            f"off). Received: hang_timeout={value!r}"
+        )
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(
+            "`hang_timeout` must be a finite number of seconds >= 0 (0 turns the "
+            f"hang doctor off). Received: hang_timeout={value!r}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """What `launch` starts: `nproc_per_node` copies of a script on this node.
@@ -87,6 +126,12 @@ class LaunchConfig:
         max_restarts: how often the whole group is restarted after a failure.
         grace_period_seconds: how long stopped processes get between SIGTERM
             and SIGKILL.
+        hang_timeout: seconds a rank may go without progress inside a
+            keras_dist `fit`/`evaluate`/`predict` before every rank dumps its
+            stacks, one summary names the rank(s) behind and the job ends with
+            code 124; 0 turns the hang doctor off. Passed to the ranks as
+            `KERAS_DIST_HANG_TIMEOUT`; None leaves that variable as it is
+            (unset: 1800 s). See `keras_dist.faults.heartbeat`.
 
     Example:
 
@@ -102,6 +147,7 @@ class LaunchConfig:
     coordinator: str | None = None
     max_restarts: int = 0
     grace_period_seconds: float = DEFAULT_GRACE_PERIOD_SECONDS
+    hang_timeout: float | None = None
 
     def __post_init__(self) -> None:
         _check_int("nproc_per_node", self.nproc_per_node, 1)
@@ -126,6 +172,8 @@ class LaunchConfig:
                 "`grace_period_seconds` must be positive. Received: "
                 f"grace_period_seconds={self.grace_period_seconds!r}"
             )
+        if self.hang_timeout is not None:
+            _check_hang_timeout(self.hang_timeout)
         if not os.path.isfile(self.script):
             raise ValueError(
                 f"The script to launch does not exist. Received: script={self.script!r}"
@@ -193,10 +241,38 @@ def rank_environment(
             "MASTER_PORT": str(port),
         }
     )
+    if config.hang_timeout is not None:
+        env[HANG_TIMEOUT_VARIABLE] = repr(float(config.hang_timeout))
     # Output is forwarded line by line; a block-buffered child would show its
     # lines late, or never when it is killed.
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPaths:
+    """The files of one rank inside an attempt's job directory.
+
+    Attributes:
+        error_file: where the rank writes its uncaught exception (JSON).
+        heartbeat_file: where the rank writes its step and phase (JSON).
+        temporary_directory: the rank's `TMPDIR`; removed with the job
+            directory, so temporary files never outlive the job.
+    """
+
+    error_file: str
+    heartbeat_file: str
+    temporary_directory: str
+
+
+def job_paths(job_directory: str, rank: int) -> RankPaths:
+    """The paths of `rank`'s files in `job_directory` (the launcher and the
+    ranks both use this, so they agree on the names)."""
+    return RankPaths(
+        error_file=os.path.join(job_directory, f"rank-{rank}.error.json"),
+        heartbeat_file=os.path.join(job_directory, f"rank-{rank}.heartbeat.json"),
+        temporary_directory=os.path.join(job_directory, f"tmp-{rank}"),
+    )
 
 
 def describe_exit(rank: int, returncode: int) -> str:
@@ -215,11 +291,59 @@ def _exit_code(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
+def read_error_report(path: str) -> dict | None:
+    """A rank's error report (written by `keras_dist.faults.lifecycle`), or
+    None when there is none or it is unreadable."""
+    try:
+        with open(path) as file:
+            report = json.load(file)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict) or not isinstance(
+        report.get("timestamp"), int | float
+    ):
+        return None
+    return report
+
+
+def describe_error_report(report: dict) -> str:
+    """`"rank 1 failed: ValueError: bad labels"` (the message's first line)."""
+    lines = str(report.get("message", "")).strip().splitlines()
+    message = lines[0] if lines else ""
+    if len(message) > 300:
+        message = message[:297] + "..."
+    cause = str(report.get("type", "Exception"))
+    if message:
+        cause = f"{cause}: {message}"
+    return f"rank {report.get('rank')} failed: {cause}"
+
+
+_PR_SET_PDEATHSIG = 1
+_PRCTL = None
+if sys.platform.startswith("linux"):
+    with contextlib.suppress(OSError, AttributeError):
+        # Looked up now: after fork, in the child, only the call is safe.
+        _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def set_parent_death_signal(signum: int = signal.SIGTERM) -> None:
+    """Have the kernel send `signum` to this process when its parent dies
+    (Linux; elsewhere nothing: ranks also check their parent themselves).
+
+    Runs in the child between fork and exec (`Popen(preexec_fn=...)`), so it
+    calls only the C library."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+
+
 @dataclasses.dataclass
 class _RankProcess:
     rank: int
     process: subprocess.Popen
     readers: list[threading.Thread]
+    # Wall-clock time of its exit, set by its waiter thread as it happens (it
+    # orders the failures, see `Launcher._root_cause`).
+    exited_at: float | None = None
 
 
 class Launcher:
@@ -228,7 +352,12 @@ class Launcher:
     Every process runs in its own process group, so stopping a rank stops
     what it started too; when an attempt ends, whatever is left in those
     groups is killed, so nothing outlives the job. Output lines are prefixed
-    with `[rank N] `.
+    with `[rank N] `. Ranks get a parent-death signal (Linux), so they end
+    with the launcher even when it is SIGKILLed. When a rank fails, one line
+    names the root cause: the first rank to fail, with its uncaught exception
+    (type and message, from its error report) or its exit code or signal,
+    e.g. `keras-dist: rank 1 failed: ValueError: ...; stopped the other 1
+    process(es)`.
 
     Args:
         config: what to start.
@@ -304,6 +433,12 @@ class Launcher:
         """One run of the whole group; returns `(exit_code, failure message)`."""
         coordinator = self._coordinator()
         ranks: list[_RankProcess] = []
+        # One directory per attempt: error reports, heartbeats and every
+        # rank's TMPDIR; removed when the attempt ends, however it ends.
+        _remove_stale_job_directories()
+        self._job_directory = tempfile.mkdtemp(
+            prefix=f"{_JOB_DIRECTORY_PREFIX}{os.getpid()}_"
+        )
         try:
             for local_rank in range(self.config.nproc_per_node):
                 if self._stop_signals:
@@ -314,11 +449,18 @@ class Launcher:
             # Also reached on success and on an unexpected error: nothing the
             # ranks started may outlive the attempt.
             self._stop(ranks)
+            shutil.rmtree(self._job_directory, ignore_errors=True)
 
     def _start(self, local_rank: int, coordinator: str, attempt: int) -> _RankProcess:
         config = self.config
         env = rank_environment(config, local_rank, coordinator, restart_count=attempt)
         rank = int(env["RANK"])
+        paths = job_paths(self._job_directory, rank)
+        os.makedirs(paths.temporary_directory, exist_ok=True)
+        env[JOB_DIRECTORY_VARIABLE] = self._job_directory
+        # Python's `tempfile` (and so Keras and keras_dist) writes there.
+        env["TMPDIR"] = paths.temporary_directory
+        env[LAUNCHER_PID_VARIABLE] = str(os.getpid())
         process = subprocess.Popen(
             [sys.executable, config.script, *config.script_args],
             env=env,
@@ -329,6 +471,8 @@ class Launcher:
             # Own session and process group: a terminal's Ctrl-C reaches only
             # the launcher, and killing the group reaches grandchildren.
             start_new_session=True,
+            # Ranks end with the launcher, even when it is SIGKILLed.
+            preexec_fn=set_parent_death_signal if _PRCTL is not None else None,
         )
         prefix = f"[rank {rank}] ".encode()
         readers = [
@@ -345,28 +489,112 @@ class Launcher:
         ]
         for reader in readers:
             reader.start()
-        return _RankProcess(rank, process, readers)
+        rank_process = _RankProcess(rank, process, readers)
+        threading.Thread(
+            target=self._wait_for_exit,
+            args=(rank_process,),
+            name=f"keras-dist-rank-{rank}-exit",
+            daemon=True,
+        ).start()
+        return rank_process
+
+    def _wait_for_exit(self, rank: _RankProcess) -> None:
+        rank.process.wait()
+        rank.exited_at = time.time()
+        self._wake.set()
 
     def _watch(self, ranks: list[_RankProcess]) -> tuple[int, str | None]:
-        """Wait until all succeed, one fails, or the launcher is signalled."""
+        """Wait until all succeed, one fails, one hangs, or the launcher is
+        signalled."""
+        self._hang_doctor = None
         while True:
             if self._stop_signals:
                 name = signal.Signals(self._stop_signals[0]).name
                 running = self._stop(ranks)
                 self._message(f"received {name}; stopped {running} process(es)")
                 return 128 + self._stop_signals[0], f"received {name}"
-            running = [r for r in ranks if r.process.poll() is None]
-            failed = [r for r in ranks if r.process.returncode not in (None, 0)]
+            running = [r for r in ranks if r.exited_at is None]
+            failed = [r for r in ranks if r.exited_at and r.process.returncode != 0]
             if failed:
-                first = failed[0]
+                self._wait_for_others(ranks)
+                exit_code, failure = self._root_cause(ranks)
                 stopped = self._stop(ranks)
-                failure = describe_exit(first.rank, first.process.returncode)
                 self._message(f"{failure}; stopped the other {stopped} process(es)")
-                return _exit_code(first.process.returncode), failure
+                return exit_code, failure
+            hang = self._check_hang(ranks)
+            if hang is not None:
+                stopped = self._stop(ranks)
+                exit_code = self._hang_doctor.exit_code
+                self._message(f"{hang}\nkeras-dist: stopped {stopped} process(es)")
+                return exit_code, hang.splitlines()[0]
             if not running:
                 self._join_readers(ranks)
                 return 0, None
             self._wake.wait(_POLL_SECONDS)
+            self._wake.clear()  # the loop looks at everything that set it
+
+    def _check_hang(self, ranks: list[_RankProcess]) -> str | None:
+        """The hang doctor's summary once a rank stopped advancing, else None
+        (`keras_dist.faults.hang_doctor`)."""
+        if self._hang_doctor is None:
+            by_rank = {r.rank: r for r in ranks}
+            self._hang_doctor = _hang_doctor_module().HangDoctor(
+                self._job_directory,
+                {
+                    r.rank: job_paths(self._job_directory, r.rank).heartbeat_file
+                    for r in ranks
+                },
+                lambda rank: by_rank[rank].exited_at is None,
+                world_size=self.config.world_size,
+            )
+        return self._hang_doctor.check()
+
+    def _wait_for_others(self, ranks: list[_RankProcess]) -> None:
+        """Give the other ranks a moment to report or end on their own: a rank
+        that failed first may exit after a rank its failure brought down."""
+        deadline = time.monotonic() + _REPORT_WAIT_SECONDS
+        while (
+            time.monotonic() < deadline
+            and not self._stop_signals
+            and any(r.exited_at is None for r in ranks)
+        ):
+            self._wake.wait(_POLL_SECONDS)
+            self._wake.clear()
+
+    def _root_cause(self, ranks: list[_RankProcess]) -> tuple[int, str]:
+        """`(exit code, message)` of the first rank that failed, named by its
+        error report (its uncaught exception) when it wrote one, else by its
+        exit code or signal.
+
+        A rank killed from outside (SIGKILL, SIGTERM, SIGINT, SIGHUP: never
+        what another rank's failure causes) comes first. Otherwise ranks are
+        ordered by when they ended, not by when they reported: a rank's
+        failure reaches the others when its process ends (its sockets close),
+        so a rank killed by a signal ends before the exceptions it causes
+        elsewhere are reported, and a rank that raised (and reported) ends
+        before the aborts it causes. A rank still running counts from its
+        report.
+        """
+        causes = []
+        for rank in ranks:
+            returncode = rank.process.returncode if rank.exited_at else None
+            report = read_error_report(
+                job_paths(self._job_directory, rank.rank).error_file
+            )
+            if report is not None:
+                report["rank"] = rank.rank
+                ended = rank.exited_at or report["timestamp"]
+                code = _exit_code(returncode) if returncode else 1
+                causes.append((ended, code, describe_error_report(report)))
+            elif returncode:
+                failure = describe_exit(rank.rank, returncode)
+                if -returncode in _SIGNALS_FROM_OUTSIDE:
+                    ended = -math.inf  # before anything it may have caused
+                else:
+                    ended = rank.exited_at
+                causes.append((ended, _exit_code(returncode), failure))
+        _, exit_code, failure = min(causes, key=lambda cause: cause[0])
+        return exit_code, failure
 
     def _stop(self, ranks: list[_RankProcess]) -> int:
         """SIGTERM every process group, SIGKILL after the grace period.
@@ -436,6 +664,40 @@ class Launcher:
         self._write(self._stderr, f"keras-dist: {text}\n".encode())
 
 
+def _remove_stale_job_directories() -> None:
+    """Remove the job directories of launchers that died without removing
+    theirs (SIGKILL): each name carries its launcher's pid."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_JOB_DIRECTORY_PREFIX) :].partition("_")[0]
+        if not name.startswith(_JOB_DIRECTORY_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except (PermissionError, OverflowError):
+            continue  # alive (another user's), or not a pid
+
+
+def _hang_doctor_module() -> types.ModuleType:
+    """`keras_dist.faults.hang_doctor`, standard library only like this module,
+    loaded from its file: importing it by name would first import the
+    keras_dist package, so keras and a backend, into the launcher."""
+    name = "keras_dist.faults.hang_doctor"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = os.path.join(os.path.dirname(__file__), "faults", "hang_doctor.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _signal_group(process_group: int, signum: int) -> None:
     try:
         os.killpg(process_group, signum)
@@ -454,6 +716,7 @@ def launch(
     coordinator: str | None = None,
     max_restarts: int = 0,
     grace_period_seconds: float = DEFAULT_GRACE_PERIOD_SECONDS,
+    hang_timeout: float | None = None,
 ) -> int:
     """Run `script` as `nproc_per_node` processes of a (possibly multi-node) job.
 
@@ -474,11 +737,14 @@ def launch(
         coordinator: `"host:port"` of node 0; required when `nnodes > 1`.
         max_restarts: restarts of the whole group after a failure.
         grace_period_seconds: time between SIGTERM and SIGKILL when stopping.
+        hang_timeout: seconds without progress before the hang doctor ends
+            the job (see `LaunchConfig`); None: `KERAS_DIST_HANG_TIMEOUT` or
+            1800; 0: off.
 
     Returns:
         The exit code: 0 when all processes succeeded, else the failed rank's
-        code (128 + signal number if a signal killed it), or 130/143 when the
-        launcher got SIGINT/SIGTERM.
+        code (128 + signal number if a signal killed it), 124 when a rank
+        hung, or 130/143 when the launcher got SIGINT/SIGTERM.
 
     Example:
 
@@ -493,5 +759,6 @@ def launch(
         coordinator=coordinator,
         max_restarts=max_restarts,
         grace_period_seconds=grace_period_seconds,
+        hang_timeout=hang_timeout,
     )
     return Launcher(config).run()

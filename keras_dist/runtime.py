@@ -10,6 +10,7 @@ import warnings
 
 import numpy as np
 
+from keras_dist._roll_call import check_in_everyone
 from keras_dist.backends import get_adapter
 from keras_dist.cluster import (
     detect_cluster,
@@ -17,6 +18,7 @@ from keras_dist.cluster import (
     environment_value,
     split_address,
 )
+from keras_dist.faults import heartbeat, lifecycle
 
 _DEVICE_TYPES = ("cpu", "gpu", "tpu")
 DEFAULT_INIT_TIMEOUT_SECONDS = 300.0
@@ -246,6 +248,7 @@ def initialize(
     process_id: int | None = None,
     *,
     timeout_seconds: float | None = None,
+    hang_timeout: float | None = None,
 ) -> None:
     """Join a multi-process job; a no-op for a single process.
 
@@ -264,14 +267,25 @@ def initialize(
         process_id: this process' rank, `0 <= process_id < num_processes`.
         timeout_seconds: how long to wait for the other processes before
             failing with an error naming the coordinator. Defaults to
-            `KERAS_DIST_INIT_TIMEOUT` or 300. Processes other than 0 first
-            wait up to this long for the coordinator to accept connections,
-            then give the backend this long again to complete the handshake
-            (PyTorch also uses it as the timeout of its collectives).
+            `KERAS_DIST_INIT_TIMEOUT` or 300. Every process first checks in
+            at the coordinator (process 0 listens on its port): process 0
+            waits up to this long for the others and then names the ranks
+            that never came, the others wait up to this long for process 0;
+            a port already in use is an error at once. Then the backend
+            gets this long again to complete its own handshake (PyTorch
+            also uses it as the timeout of its collectives).
+        hang_timeout: seconds a process may go without progress inside a
+            distributed `fit`/`evaluate`/`predict` (a step, a callback, a
+            batch, a save) before every process dumps its Python stacks and
+            the job ends naming the rank behind (`keras_dist.faults.heartbeat`).
+            Defaults to `KERAS_DIST_HANG_TIMEOUT` (`keras-dist launch
+            --hang-timeout` sets it) or 1800; 0 turns the hang doctor off.
+            On PyTorch the collectives then wait at least this long plus 60 s.
 
     Raises:
         RuntimeError: naming the rank and the coordinator when the job could
-            not be joined in time.
+            not be joined in time (on process 0, the ranks that never
+            came), or when the coordinator's port is already in use.
 
     Example:
 
@@ -284,6 +298,7 @@ def initialize(
         raise ValueError(
             f"`timeout_seconds` must be positive. Received: {timeout_seconds}"
         )
+    heartbeat.configure(hang_timeout)  # validates it, before the backend starts
     if count == 1:
         asked = (job_addresses, num_processes, process_id)
         configured = any(value is not None for value in asked) or any(
@@ -306,10 +321,13 @@ def initialize(
                 f"num_processes={count}, process_id={rank}"
             )
         return
+    # Every process checks in at the coordinator first: a process that never
+    # comes, or a port already in use, is then a Python error naming the ranks
+    # and the address, not JAX's abort or TensorFlow's endless wait.
+    check_in_everyone(coordinator, count, rank, timeout_seconds=timeout_seconds)
     if rank != 0:
-        # Some backends abort the process (JAX) or retry past the timeout
-        # (PyTorch) when the coordinator never answers; fail here first, with
-        # the address in the message.
+        # Process 0 starts the backend's coordinator just after letting the
+        # others go; some backends abort (JAX) when it is not there yet.
         _wait_for_coordinator(coordinator, rank, count, timeout_seconds=timeout_seconds)
     get_adapter().initialize(coordinator, count, rank, timeout_seconds=timeout_seconds)
     _initialized.update({"coordinator": coordinator, "count": count, "rank": rank})
@@ -318,6 +336,8 @@ def initialize(
     from keras_dist import saving  # noqa: PLC0415 (saving imports this module)
 
     saving.install()
+    # After the backend: it may replace the SIGTERM handler when it starts.
+    lifecycle.install(rank)
 
 
 def _join_detected_cluster(timeout_seconds: float) -> None:
@@ -336,6 +356,8 @@ def _join_detected_cluster(timeout_seconds: float) -> None:
     from keras_dist import saving  # noqa: PLC0415 (saving imports this module)
 
     saving.install()
+    if adapter.num_processes() > 1:
+        lifecycle.install(adapter.process_id())
 
 
 _warned: set[tuple[type[Warning], str]] = set()

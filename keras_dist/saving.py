@@ -9,12 +9,15 @@ call installs this), then:
 
 - a save writes on process 0 only, to a temporary name in the same directory
   that replaces the file once complete (a killed writer never leaves a
-  truncated file under the real name). The other processes read every variable
+  truncated file under the real name; the next save removes the temporary
+  files of writers killed outright). The other processes read every variable
   as process 0 does (reading arrays that span processes is collective) into a
   scratch file they delete, then wait until process 0's file is complete, so
   any process can load it on the next line. On JAX and PyTorch process 0 does
-  not wait for them, so a save made on process 0 alone works too (on
-  TensorFlow all processes meet at a barrier);
+  not wait for them, so a save made on process 0 alone works too, unless a
+  variable is split across processes (model parallelism: reading it is
+  collective, every process must save); on TensorFlow all processes meet at
+  a barrier;
 - `BackupAndRestore` writes and deletes its backup on process 0 only, the
   others waiting for it; every process reads the backup when training starts,
   so its directory must be one they all see (a shared file system on several
@@ -27,9 +30,11 @@ with an error naming the process that waited.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -38,9 +43,12 @@ from keras_dist._keras_compat import (
     FILE_WRITING_CALLBACKS,
     one_writer_backup_and_restore,
     silence_callbacks,
+    tolerate_existing_directories,
     wrap_saving_functions,
 )
 from keras_dist.backends import get_adapter
+from keras_dist.faults import heartbeat
+from keras_dist.faults.lifecycle import removed_if_stopped
 from keras_dist.runtime import _timeout_from_environment
 
 _installed: list[bool] = []
@@ -55,6 +63,8 @@ def install() -> None:
     _installed.append(True)
     wrap_saving_functions(_process_zero_writes)
     one_writer_backup_and_restore(is_writer=_is_writer, barrier=barrier)
+    # Every process' ModelCheckpoint creates a missing directory at once.
+    tolerate_existing_directories()
     if adapter.process_id() != 0:
         # `set_model` too: TensorBoard writes the model's summary there.
         silence_callbacks(FILE_WRITING_CALLBACKS, also=("set_model",))
@@ -88,14 +98,15 @@ def _process_zero_writes(save: Callable[..., Any]) -> Callable[..., Any]:
     def one_writer(model: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
         if get_adapter().num_processes() == 1:
             return save(model, filepath, *args, **kwargs)
-        if _is_writer():
-            options = signature.bind(model, filepath, *args, **kwargs).arguments
-            result = _write_whole(save, model, filepath, options, args, kwargs)
-        else:
-            result = _read_without_keeping(save, model, filepath, args, kwargs)
-        # Numbered, not named by the path: processes may save under names of
-        # their own (`model-{rank}.keras`), which process 0 alone writes.
-        _wait_for_writer("save")
+        with heartbeat.phase("save"):  # what the hang doctor reports
+            if _is_writer():
+                options = signature.bind(model, filepath, *args, **kwargs).arguments
+                result = _write_whole(save, model, filepath, options, args, kwargs)
+            else:
+                result = _read_without_keeping(save, model, filepath, args, kwargs)
+            # Numbered, not named by the path: processes may save under names of
+            # their own (`model-{rank}.keras`), which process 0 alone writes.
+            _wait_for_writer("save")
         return result
 
     return one_writer
@@ -113,13 +124,48 @@ def _write_whole(
     temporary = _temporary_name(filepath, options)
     if temporary is None:
         return save(model, filepath, *args, **kwargs)
+    remove_stale_temporaries(os.path.dirname(temporary))
     try:
-        result = save(model, temporary, *args, **kwargs)
-        os.replace(temporary, os.fspath(filepath))
+        # A signal ends the process without unwinding this block.
+        with removed_if_stopped(temporary):
+            result = save(model, temporary, *args, **kwargs)
+            os.replace(temporary, os.fspath(filepath))
     finally:
         if os.path.isfile(temporary):
             os.remove(temporary)
     return result
+
+
+_TEMPORARY = re.compile(r"\.keras_dist-(\d+)-.")
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Remove the temporary files (`.keras_dist-<pid>-<name>`) in `directory`
+    left by writers that no longer run (killed outright mid-save); returns
+    their paths. Those of processes running on this machine stay."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory or "."):
+            match = _TEMPORARY.match(name)
+            if match is None or _is_running(int(match.group(1))):
+                continue
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                os.remove(path)
+                removed.append(path)
+    return removed
+
+
+def _is_running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _temporary_name(filepath: Any, options: dict[str, Any]) -> str | None:

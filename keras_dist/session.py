@@ -18,6 +18,7 @@ from keras_dist._keras_compat import (
     silence_callbacks,
 )
 from keras_dist.backends import get_adapter
+from keras_dist.faults import heartbeat
 from keras_dist.policies import Distribution, ModelParallel
 
 _active_runs: dict[int, DistributedRun] = {}
@@ -68,6 +69,8 @@ class DistributedRun:
         # One writer: process 0 writes every file (`keras_dist.saving`), for
         # a job whose processes did not join through `keras_dist.initialize()`.
         saving.install()
+        # Each process' heartbeat, for the hang doctor (several processes).
+        heartbeat.start()
         self._previous = keras.distribution.distribution()
         keras.distribution.set_distribution(self.distribution)
         try:
@@ -103,6 +106,8 @@ class DistributedRun:
             return
         self.active = False
         _active_runs.pop(id(self.model), None)
+        # Before the undo: it keeps the compiled steps, which must be Keras'.
+        heartbeat.end_calls(self.model)
         try:
             while self._undo:
                 self._undo.pop()()

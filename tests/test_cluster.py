@@ -422,6 +422,8 @@ def joins(monkeypatch):
     """Record what `initialize` hands the adapter instead of joining a job."""
     calls = []
     monkeypatch.setattr(runtime, "_initialized", {})
+    # No other process checks in here (tests/test_missing_peer.py covers it).
+    monkeypatch.setattr(runtime, "check_in_everyone", lambda *args, **kwargs: None)
     monkeypatch.setattr(
         get_adapter(),
         "initialize",

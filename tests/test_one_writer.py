@@ -171,3 +171,24 @@ def test_a_save_that_fails_midway_leaves_the_previous_file_whole(tmp_path):
     saving._write_whole(save, None, str(target), {}, (), {})
     assert target.read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.weights.h5"]
+
+
+def test_model_checkpoint_directories_appearing_meanwhile_are_accepted(tmp_path):
+    """Every process' ModelCheckpoint sees the directory missing, then creates
+    it: all but the first used to fail with FileExistsError."""
+    from keras.src.callbacks import model_checkpoint  # noqa: PLC0415
+
+    from keras_dist._keras_compat import (  # noqa: PLC0415
+        tolerate_existing_directories,
+    )
+
+    made = tmp_path / "made-by-another-process"
+    made.mkdir()
+    tolerate_existing_directories()
+    model_checkpoint.file_utils.makedirs(str(made))  # no error
+    model_checkpoint.file_utils.makedirs(str(tmp_path / "new" / "nested"))
+    assert (tmp_path / "new" / "nested").is_dir()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(FileExistsError):  # a file in the way is still an error
+        model_checkpoint.file_utils.makedirs(str(a_file))

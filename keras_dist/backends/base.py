@@ -119,6 +119,12 @@ class BackendAdapter(abc.ABC):
         By default a `barrier`, which waits on process 0 too."""
         self.barrier(key, timeout_seconds=timeout_seconds)
 
+    def collective_trace(self) -> str | None:
+        """A readable account of this process' latest collectives (which one
+        it waits in), for the hang doctor; None when the backend keeps none
+        (JAX and TensorFlow)."""
+        return None
+
     def _barrier_timed_out(
         self, name: str, timeout_seconds: float, error: BaseException
     ) -> RuntimeError:

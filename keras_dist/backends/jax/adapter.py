@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import keras
 import numpy as np
 from jax._src import distributed as jax_distributed
 from jax.experimental import layout as jax_layout
@@ -210,6 +211,10 @@ class JaxAdapter(BackendAdapter):
 
     def activate(self, model: Any, distribution: Any) -> None:
         planned = _layouts_for(model, distribution)
+        # Before anything moves: a failed move would leave the model half laid
+        # out (its layout set, its value not), and even a plain `fit` broken.
+        for variable, layout in planned:
+            _check_layout_divides(variable, layout)
         multi_process = jax.process_count() > 1
         if multi_process:
             # Replicas must start equal: process 0's values win, as in DDP.
@@ -259,6 +264,44 @@ class JaxAdapter(BackendAdapter):
         )
 
 
+def _mesh_axes(layout: Any) -> tuple[tuple[Any, ...], dict[str, int]]:
+    """`layout`'s axis per dimension and its mesh's size per axis name, for a
+    Keras `TensorLayout` or a `jax.sharding.NamedSharding`."""
+    if isinstance(layout, jax.sharding.NamedSharding):
+        return tuple(layout.spec), dict(layout.mesh.shape)
+    mesh = layout.device_mesh
+    return tuple(layout.axes), dict(zip(mesh.axis_names, mesh.shape, strict=True))
+
+
+def _check_layout_divides(variable: Any, layout: Any) -> None:
+    """Refuse a layout that splits a dimension of `variable` into unequal
+    parts: JAX splits a dimension into equal parts only (PyTorch's DTensor
+    splits unevenly; TensorFlow refuses sharded variables altogether)."""
+    if layout is None or not isinstance(
+        layout, (jax.sharding.NamedSharding, keras.distribution.TensorLayout)
+    ):
+        return
+    axes, sizes = _mesh_axes(layout)
+    shape = tuple(variable.shape)
+    for dimension, (size, axis) in enumerate(zip(shape, axes, strict=False)):
+        names = (axis,) if isinstance(axis, str) else tuple(axis or ())
+        parts = int(np.prod([sizes.get(name, 1) for name in names]))
+        if parts <= 1 or size % parts == 0:
+            continue
+        spelled = " x ".join(
+            f"{name!r} ({sizes.get(name, 1)} devices)" for name in names
+        )
+        raise ValueError(
+            f"Variable {variable.path!r} of shape {shape} cannot be laid out as "
+            f"{axes}: its dimension {dimension} has size {size}, which mesh axis "
+            f"{spelled} does not divide into equal parts, as JAX requires. Fix: "
+            f"give dimension {dimension} `None` in the LayoutMap (replicated), "
+            f"make its size a multiple of {parts} (e.g. {size + (-size) % parts}), "
+            f"or use a mesh whose axis {names[0]!r} has a size that divides {size}. "
+            "The model was left as it was."
+        )
+
+
 def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
     """Every variable of `model` and its optimizer, with the layout it gets.
 
@@ -286,5 +329,19 @@ def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
     return list(planned.values())
 
 
+def _gathered(value: Any) -> np.ndarray | None:
+    """The whole of `value` on this process if it is split across processes
+    (a collective: every process reads it, as every process saves), else None
+    (JAX reads it locally)."""
+    if (
+        isinstance(value, jax.Array)
+        and not value.is_fully_addressable
+        and not value.is_fully_replicated
+    ):
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return None
+
+
 internals.install_batch_routing()
+internals.read_variables_through(_gathered)
 ADAPTER = JaxAdapter()

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 from keras import ops
 from keras.src import backend as keras_backend
+from keras.src.backend.jax import core as jax_core
 from keras.src.backend.jax import trainer as jax_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -61,6 +62,12 @@ def check() -> list[str]:
         variable = keras.Variable(0.0)
         if not hasattr(variable, name):
             missing.append(f"Variable.{name}")
+    if not hasattr(jax_core, "JaxVariable") or not issubclass(
+        keras.Variable, jax_core.JaxVariable
+    ):
+        missing.append("keras.src.backend.jax.core.JaxVariable")
+    elif not hasattr(jax_core.JaxVariable, "__array__"):
+        missing.append("JaxVariable.__array__")
     if not hasattr(keras_backend, "StatelessScope"):
         missing.append("keras.src.backend.StatelessScope")
     if not hasattr(data_adapter_utils, "unpack_x_y_sample_weight"):
@@ -124,6 +131,25 @@ def relayout_variable(variable: Any, layout: Any) -> None:
     """Give an existing variable `layout` and move its value there."""
     variable._layout = layout
     variable._direct_assign(variable.value)
+
+
+_original_variable_array = jax_core.JaxVariable.__array__
+
+
+def read_variables_through(gather: Callable[[Any], Any]) -> None:
+    """Make NumPy reads of Keras JAX variables (`Variable.numpy()`, `np.array`,
+    `keras.ops.convert_to_numpy`, hence `get_weights` and every save) go
+    through `gather(value)` when it returns an array, e.g. for a value split
+    across processes, which JAX cannot fetch on its own (idempotent)."""
+
+    def __array__(self: Any, dtype: Any = None) -> Any:
+        gathered = gather(self.value)
+        if gathered is None:
+            return _original_variable_array(self, dtype)
+        return np.asarray(gathered, dtype=dtype)
+
+    __array__._keras_dist_gathers = True  # type: ignore[attr-defined]
+    jax_core.JaxVariable.__array__ = __array__
 
 
 # -- step functions that honour a padding mask ---------------------------------
@@ -304,6 +330,7 @@ def remove_steps(model: Any) -> None:
 __all__ = [
     "check",
     "install_steps",
+    "read_variables_through",
     "relayout_variable",
     "remove_steps",
     "route_batches",

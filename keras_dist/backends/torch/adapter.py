@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import json
 import weakref
 from typing import Any
 
@@ -38,6 +39,7 @@ from keras_dist.backends.torch.input_adapter import (
     ShardedLoader,
     shard_loader,
 )
+from keras_dist.faults import heartbeat
 from keras_dist.padding import check_same_input
 from keras_dist.random_streams import BackendStream, take_process_zero_streams
 
@@ -53,6 +55,39 @@ def _dtensor() -> Any:
 def _destroy_process_group() -> None:
     if torch_distributed.is_available() and torch_distributed.is_initialized():
         torch_distributed.destroy_process_group()
+
+
+# How long after the hang timeout a collective still waits: the hang doctor
+# needs a few seconds to collect the dumps and end the job.
+_HANG_REPORT_SECONDS = 60.0
+# How many of the latest collectives the hang doctor shows.
+_TRACE_ENTRIES = 8
+
+
+def _describe_flight_record(record: dict) -> str:
+    """A few lines out of torch's Flight Recorder dump (its JSON form)."""
+    entries = record.get("entries") or []
+    if not entries:
+        return (
+            "torch's Flight Recorder recorded nothing (it records when "
+            "TORCH_FR_BUFFER_SIZE > 0 before the process group starts)"
+        )
+    lines = [f"torch Flight Recorder, {len(entries)} collective(s) recorded"]
+    configs = record.get("pg_config") or {}
+    for group, status in (record.get("pg_status") or {}).items():
+        ranks = next(iter(configs.values()), {}).get("ranks", "?")
+        lines.append(
+            f"  process group {group} (ranks {ranks}): last enqueued collective "
+            f"#{status.get('last_enqueued_collective')}, last started "
+            f"#{status.get('last_started_collective')}, last completed "
+            f"#{status.get('last_completed_collective')}"
+        )
+    for entry in entries[-_TRACE_ENTRIES:]:
+        lines.append(
+            f"  #{entry.get('collective_seq_id')} {entry.get('profiling_name')} "
+            f"sizes {entry.get('input_sizes')} state {entry.get('state')}"
+        )
+    return "\n".join(lines)
 
 
 def _accelerator_type() -> str | None:
@@ -121,6 +156,13 @@ class TorchAdapter(BackendAdapter):
         # Without this, gloo may abort the interpreter at exit ("terminate
         # called without an active exception").
         atexit.register(_destroy_process_group)
+        # The hang doctor names the rank a hung collective waits for; the
+        # collective's own timeout (naming no rank) must not end it first.
+        outlast = heartbeat.hang_timeout() + _HANG_REPORT_SECONDS
+        if heartbeat.hang_timeout() > 0 and outlast > timeout_seconds:
+            torch_distributed.distributed_c10d._set_pg_timeout(
+                datetime.timedelta(seconds=outlast)
+            )
 
     def barrier(self, name: str, *, timeout_seconds: float) -> None:
         if self._world()[0] == 1:
@@ -149,6 +191,17 @@ class TorchAdapter(BackendAdapter):
                 store.wait([key], datetime.timedelta(seconds=timeout_seconds))
         except Exception as error:  # torch raises DistStoreError, RuntimeError
             raise self._barrier_timed_out(key, timeout_seconds, error) from error
+
+    def collective_trace(self) -> str | None:
+        """What torch's Flight Recorder (gloo and NCCL) kept: each process
+        group's last enqueued, started and completed collective, and the
+        latest collectives. It records when `TORCH_FR_BUFFER_SIZE` was set
+        before the process group started (`keras_dist.initialize` does)."""
+        if not torch_distributed.is_initialized():
+            return None
+        return _describe_flight_record(
+            json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False))
+        )
 
     def to_backend_mesh(self, device_mesh: Any) -> Any:
         """A `torch.distributed.device_mesh.DeviceMesh` (one device per process)."""
@@ -377,7 +430,8 @@ class TorchAdapter(BackendAdapter):
                 check_same_input=self._check_same_input if world_size > 1 else None,
             )
 
-        internals.route_batches(batches_for_epoch)
+        # Reading a batch is the hang doctor's phase "data".
+        internals.route_batches(heartbeat.watching_batches(batches_for_epoch))
         self._on_deactivate(model, internals.unroute_batches)
         steps = internals.make_steps(model, collectives, user_steps)
         if dtensors:
