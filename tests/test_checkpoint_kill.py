@@ -2,7 +2,7 @@
 
 `keras-dist launch` runs 2 ranks that checkpoint every 2 steps
 (`ModelCheckpoint("ck/ckpt.keras", save_freq=2)` and a `.weights.h5` one);
-the test sends `kill -9` to rank 1 from outside at a random moment, 3 times.
+the test sends `kill -9` to rank 1 from outside at a random moment, in 2 jobs.
 Every time the job ends within a bound, no process is left, each checkpoint is
 absent (killed before the first save) or complete and loads in plain Keras, a
 checkpoint that was there before is still there, and no temporary file of
@@ -91,12 +91,12 @@ def _seed_checkpoints(checkpoints) -> None:
 
 @pytest.mark.backend("jax", "torch", "tensorflow")
 def test_kill_9_of_a_rank_mid_fit_never_costs_a_checkpoint(tmp_path):
-    """3 jobs at once (one has no checkpoint yet, two have a previous good one),
+    """2 jobs at once (one has no checkpoint yet, one has a previous good one),
     each killed at its own random moment once all of them train."""
     seed = random.randrange(1 << 30)
-    moments = random.Random(seed).sample([0.1 * i for i in range(1, 31)], 3)
+    moments = random.Random(seed).sample([0.1 * i for i in range(1, 31)], 2)
     runs = []
-    for run in range(3):
+    for run in range(2):
         checkpoints, state = tmp_path / f"ck-{run}", tmp_path / f"state-{run}"
         checkpoints.mkdir()
         state.mkdir()
