@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from keras_dist.backends import get_adapter
+
 ENV_VAR = "KERAS_DIST_CPU_DEVICES"
 
 
@@ -21,10 +23,6 @@ def requested_cpu_devices(environ: dict[str, str] | None = None) -> int | None:
 
 
 def apply_from_environment() -> None:
-    """Configure the devices `KERAS_DIST_CPU_DEVICES` asks for; without it,
-    nothing is imported (neither Keras nor a backend)."""
     count = requested_cpu_devices()
     if count is not None:
-        from keras_dist.backends import get_adapter  # noqa: PLC0415 (heavy)
-
         get_adapter().simulate_cpu_devices(count)
