@@ -48,7 +48,7 @@ from keras_dist._keras_compat import (
 )
 from keras_dist.backends import get_adapter
 from keras_dist.faults import heartbeat
-from keras_dist.faults.lifecycle import removed_if_stopped
+from keras_dist.faults.lifecycle import is_alive, removed_if_stopped
 from keras_dist.runtime import _timeout_from_environment
 
 _installed: list[bool] = []
@@ -147,25 +147,13 @@ def remove_stale_temporaries(directory: str) -> list[str]:
     with contextlib.suppress(OSError):
         for name in os.listdir(directory or "."):
             match = _TEMPORARY.match(name)
-            if match is None or _is_running(int(match.group(1))):
+            if match is None or is_alive(int(match.group(1))):
                 continue
             path = os.path.join(directory, name)
             with contextlib.suppress(OSError):
                 os.remove(path)
                 removed.append(path)
     return removed
-
-
-def _is_running(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _temporary_name(filepath: Any, options: dict[str, Any]) -> str | None:

@@ -312,19 +312,9 @@ def _remove_stale_node_directories() -> None:
                     path = os.path.join(directory, entry)
                     beat = hang_doctor.read_heartbeat(path)
                     pid = beat.get("pid") if beat else None
-                    if isinstance(pid, int) and not _is_alive(pid):
+                    if isinstance(pid, int) and not lifecycle.is_alive(pid):
                         os.remove(path)
                 os.rmdir(directory)  # fails while a live rank's file is there
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Watchdog(threading.Thread):
@@ -408,7 +398,7 @@ class _Watchdog(threading.Thread):
             beat = self.beat() if rank == self.rank else None
             if beat is None:
                 beat = hang_doctor.read_heartbeat(path)
-            if beat is not None and _is_alive(int(beat.get("pid", 0))):
+            if beat is not None and lifecycle.is_alive(int(beat.get("pid", 0))):
                 beats.append(beat)
         return beats
 

@@ -279,7 +279,7 @@ def _parent_to_watch() -> int | None:
     raw = os.environ.get(LAUNCHER_PID_VARIABLE, "")
     if raw.isdigit():
         launcher = int(raw)
-        if os.getppid() == launcher or not _is_alive(launcher):
+        if os.getppid() == launcher or not is_alive(launcher):
             return launcher
         # A process a rank started inherits the variable; its parent is the
         # rank, which ends it itself.
@@ -289,7 +289,9 @@ def _parent_to_watch() -> int | None:
     return None
 
 
-def _is_alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine (another
+    user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -307,9 +309,9 @@ def _is_running(pid: int) -> bool:
             state = file.read().rpartition(")")[2].split()[0]
     except FileNotFoundError:
         # No such process; or no /proc (macOS): then ask the kernel.
-        return not os.path.isdir("/proc/self") and _is_alive(pid)
+        return not os.path.isdir("/proc/self") and is_alive(pid)
     except (OSError, IndexError):
-        return _is_alive(pid)
+        return is_alive(pid)
     return state not in ("Z", "X")
 
 
@@ -326,7 +328,7 @@ def _use_own_temporary_directory(rank: int) -> str:
             if (
                 name.startswith(_OWN_PREFIX)
                 and pid.isdigit()
-                and not _is_alive(int(pid))
+                and not is_alive(int(pid))
             ):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     directory = tempfile.mkdtemp(prefix=f"{_OWN_PREFIX}{rank}_{os.getpid()}_")
