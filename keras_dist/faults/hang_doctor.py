@@ -23,7 +23,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 HANG_TIMEOUT_VARIABLE = "KERAS_DIST_HANG_TIMEOUT"
 # As torch's NCCL watchdog: long enough for a first compilation or a large
@@ -180,6 +180,16 @@ def summary(beats: list[dict], now: float, *, world_size: int | None = None) -> 
     return "\n".join(lines)
 
 
+def wait_for_dumps(read_beats: Callable[[], Iterable[dict]]) -> None:
+    """Wait (up to `DUMP_WAIT_SECONDS`) until every rank that `read_beats`
+    returns with the hang doctor on says it dumped its stacks."""
+    deadline = time.monotonic() + DUMP_WAIT_SECONDS
+    while time.monotonic() < deadline and not all(
+        beat.get("dumped") for beat in read_beats() if beat.get("hang_timeout", 0) > 0
+    ):
+        time.sleep(0.05)
+
+
 class HangDoctor:
     """The launcher's side: reads the heartbeats of its ranks, and when one has
     stalled, has every rank dump its stacks and returns the summary.
@@ -235,15 +245,6 @@ class HangDoctor:
             return None
         with open(self._request, "w") as file:
             file.write(f"{self._clock()}\n")
-        deadline = time.monotonic() + DUMP_WAIT_SECONDS
-        while time.monotonic() < deadline:
-            waiting = [
-                rank
-                for rank, beat in self._beats().items()
-                if not beat.get("dumped") and beat.get("hang_timeout", 0) > 0
-            ]
-            if not waiting:
-                break
-            time.sleep(0.05)
+        wait_for_dumps(lambda: self._beats().values())
         # The beats from before the dump: dumping is not progress.
         return summary(list(beats.values()), self._clock(), world_size=self._world_size)

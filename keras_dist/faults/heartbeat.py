@@ -405,11 +405,7 @@ class _Watchdog(threading.Thread):
     def end_job(self) -> None:
         before = self.peers()  # dumping is not progress: report what stalled
         self.dump()
-        deadline = time.monotonic() + hang_doctor.DUMP_WAIT_SECONDS
-        while time.monotonic() < deadline and not all(
-            beat.get("dumped") for beat in self.peers()
-        ):
-            time.sleep(0.05)
+        hang_doctor.wait_for_dumps(self.peers)
         if self.rank == min(beat["rank"] for beat in before):
             report = hang_doctor.summary(
                 before, time.time(), world_size=self.world_size
