@@ -423,6 +423,16 @@ unfinished.write_text("half a model")
 with lifecycle.removed_if_stopped(str(unfinished)):
     if sys.argv[2] == "raise":
         raise ValueError("bad labels\\nsecond line")
+    if sys.argv[2].startswith("announced"):
+        # A watchdog found the job hung and will end this rank with 124;
+        # meanwhile a peer left and the collective here fails.
+        import threading, time
+        lifecycle.announce_end(124, within=5)
+        if sys.argv[2] == "announced-then-ended":
+            threading.Thread(
+                target=lambda: (time.sleep(0.5), lifecycle.end_now(124))
+            ).start()
+        raise RuntimeError("Connection closed by peer")
     (STATE / "ready").write_text("")
     # Blocked in C with the GIL released, as in a collective, where a Python
     # signal handler alone never runs: a mutex locked twice by one thread.
@@ -521,3 +531,22 @@ def test_an_uncaught_exception_is_reported_and_ends_the_rank(tmp_path):
     # removing it was that block's owner's business (saving.py's `finally`).
     _assert_cleaned_up(state, unfinished_removed=False)
     assert os.listdir(job) == ["rank-1.error.json"]  # its TMPDIR is gone
+
+
+@pytest.mark.parametrize("mode", ["announced-then-ended", "announced-only"])
+def test_an_exception_after_an_announced_end_is_a_consequence(tmp_path, mode):
+    """A hang doctor announces exit code 124; the collective that fails because
+    a peer ended first must not turn the rank's end into an error (exit 1)
+    nor write an error report that a launcher would take for the cause."""
+    job = tmp_path / "job"
+    (job / "tmp-1").mkdir(parents=True)
+    process, state = _lone_rank(
+        tmp_path, mode, KERAS_DIST_JOB_DIR=str(job), TMPDIR=str(job / "tmp-1")
+    )
+    _, err = process.communicate(timeout=60)
+
+    assert process.returncode == 124, err
+    assert "RuntimeError: Connection closed by peer (raised while this rank" in err
+    assert "Traceback" not in err
+    assert os.listdir(job) == []  # no error report; its TMPDIR is gone
+    _assert_cleaned_up(state, unfinished_removed=False)

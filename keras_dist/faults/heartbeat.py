@@ -382,6 +382,9 @@ class _Watchdog(threading.Thread):
             self.write()
             if self.under_launcher:
                 if os.path.exists(request):
+                    lifecycle.announce_end(
+                        hang_doctor.HANG_EXIT_CODE, _EXIT_AFTER_DUMP_SECONDS + 10
+                    )
                     self.dump()
                     time.sleep(_EXIT_AFTER_DUMP_SECONDS)
                     lifecycle.end_now(hang_doctor.HANG_EXIT_CODE)
@@ -404,6 +407,10 @@ class _Watchdog(threading.Thread):
 
     def end_job(self) -> None:
         before = self.peers()  # dumping is not progress: report what stalled
+        # The first rank to finish ends, and a peer's collective then fails.
+        lifecycle.announce_end(
+            hang_doctor.HANG_EXIT_CODE, hang_doctor.DUMP_WAIT_SECONDS + 10
+        )
         self.dump()
         hang_doctor.wait_for_dumps(self.peers)
         if self.rank == min(beat["rank"] for beat in before):

@@ -76,6 +76,9 @@ _temporaries: set[str] = set()
 _at_end: list[Callable[[], object]] = []
 # Whoever ends the process holds it: the excepthook or the watcher, not both.
 _ending = threading.Lock()
+# Set by `announce_end`: the exit code this rank is about to end with, and
+# the monotonic time by which it will have ended.
+_announced: dict[str, float] = {}
 
 
 def install(rank: int) -> None:
@@ -177,6 +180,20 @@ def end_now(exit_code: int) -> None:
     _end(exit_code)
 
 
+def announce_end(exit_code: int, within: float) -> None:
+    """Say that this rank will end with `exit_code` within `within` seconds
+    (a watchdog that found the job hung, while it still gathers its report).
+
+    Meanwhile its peers end, so a collective the main thread waits in fails
+    ("connection closed by peer"): that exception is a consequence, not the
+    cause. The excepthook then prints one line instead of an error report,
+    waits for the announcer to end the process, and ends it with
+    `exit_code` itself only if the announcer has not done so in time.
+    """
+    _announced["exit_code"] = exit_code
+    _announced["deadline"] = time.monotonic() + within
+
+
 def _end(exit_code: int) -> None:
     """`end_now` once `_ending` is held."""
     try:
@@ -203,6 +220,9 @@ class _ExceptHook:
         if sys.flags.interactive or hasattr(sys, "ps1"):
             self.previous(exception_type, exception, trace)
             return
+        if _announced:
+            self._end_as_announced(exception_type, exception)
+            return
         if not _ending.acquire(blocking=False):
             return  # a stop signal is already ending the process
         try:
@@ -210,6 +230,25 @@ class _ExceptHook:
             self.previous(exception_type, exception, trace)
         finally:
             _end(1)
+
+
+    @staticmethod
+    def _end_as_announced(
+        exception_type: type[BaseException], exception: BaseException
+    ) -> None:
+        exit_code = int(_announced["exit_code"])
+        rank = _installed.get("rank", "?")
+        print(
+            f"keras-dist: rank {rank}: {exception_type.__name__}: {exception} "
+            f"(raised while this rank ends with exit code {exit_code}; a "
+            "consequence of that, not its cause)",
+            file=sys.stderr,
+            flush=True,
+        )
+        while time.monotonic() < _announced["deadline"]:
+            time.sleep(0.05)  # the announcer ends the process meanwhile
+        if _ending.acquire(blocking=False):
+            _end(exit_code)
 
 
 def error_report(
