@@ -16,6 +16,7 @@ from keras_dist import _device_simulation
 _device_simulation.apply_from_environment()
 
 from keras_dist.callback import DistributeCallback  # noqa: E402
+from keras_dist.checkpoint import Checkpoint, export, restore  # noqa: E402
 from keras_dist.layout_map import LayoutMap  # noqa: E402
 from keras_dist.mesh import DeviceMesh, TensorLayout  # noqa: E402
 from keras_dist.policies import DataParallel, Distribution, ModelParallel  # noqa: E402
@@ -36,6 +37,7 @@ from keras_dist.trainer import Trainer  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpoint",
     "DataParallel",
     "DeviceMesh",
     "DistributeCallback",
@@ -46,10 +48,12 @@ __all__ = [
     "Trainer",
     "distribute_tensor",
     "distribution",
+    "export",
     "get_device_count",
     "initialize",
     "list_devices",
     "num_processes",
     "process_id",
+    "restore",
     "set_distribution",
 ]

@@ -792,6 +792,7 @@ def check() -> list[str]:
         missing.append("ArrayDataAdapter shuffles with NumPy's global generator")
     missing += _check_saving()
     missing += _check_row_aware_metrics()
+    missing += _check_resume()
     return missing
 
 
@@ -889,3 +890,242 @@ def _shuffle_follows_numpy_stream() -> bool:
         return [int(value) for value in np.asarray(batch[0]).reshape(-1)]
 
     return order(0) == order(0) != order(1)
+
+
+# -- checkpoint keys: Keras' own `.weights.h5` structural paths ---------------
+
+
+def saveable_variables(model: Any) -> dict[str, Any]:
+    """Every variable of `model`'s training state by Keras' `.weights.h5`
+    structural path (`layers/dense/vars/0`, `optimizer/vars/3`), the same in
+    every process and on every backend, unlike `variable.path`, whose
+    auto-numbered names depend on what the process built before.
+
+    Follows `saving_lib._save_state`'s walk (same order, same names), reading
+    each layer's own variables without copying them (Keras' optimizer saving
+    would gather sharded ones), plus what `.weights.h5` leaves out: each
+    layer's seed generators (`<layer>/seed_generators/<j>`, so Dropout goes on
+    the same) and the metric states (`metrics/vars/<i>`).
+    """
+    from keras.src.saving import saving_lib  # noqa: PLC0415
+    from keras.src.saving.keras_saveable import KerasSaveable  # noqa: PLC0415
+    from keras.src.utils import naming  # noqa: PLC0415
+
+    found: dict[str, Any] = {}
+    visited: set[int] = set()
+
+    def own(saveable: Any, path: str) -> None:
+        if isinstance(saveable, keras.optimizers.Optimizer):
+            variables = list(saveable.variables)
+        elif isinstance(saveable, keras.layers.Layer):
+            if (
+                type(saveable).save_own_variables
+                is not keras.layers.Layer.save_own_variables
+            ):
+                recorded: dict[str, Any] = {}
+                saveable.save_own_variables(recorded)
+                variables = list(recorded.values())
+                if not all(isinstance(v, keras.Variable) for v in variables):
+                    raise NotImplementedError(
+                        f"Layer {saveable.name!r} ({type(saveable).__name__}) saves "
+                        "values that are not Keras variables in its own "
+                        "save_own_variables; keras_dist checkpoints save variables "
+                        "shard by shard and cannot save it. Save it with "
+                        "model.save_weights instead."
+                    )
+            else:
+                variables = saveable._trainable_variables + (
+                    saveable._non_trainable_variables
+                )
+            for j, generator in enumerate(getattr(saveable, "_seed_generators", [])):
+                found[_join(path, f"seed_generators/{j}")] = generator.state
+        else:
+            return
+        for i, variable in enumerate(variables):
+            found[_join(path, f"vars/{i}")] = variable
+
+    def walk(saveable: Any, path: str) -> None:
+        if id(saveable) in visited:
+            return
+        own(saveable, path)
+        visited.add(id(saveable))
+        for attribute, child in saving_lib._walk_saveable(saveable):
+            if isinstance(child, KerasSaveable):
+                walk(child, _join(path, attribute))
+            elif isinstance(child, list | dict | tuple):
+                container(child, _join(path, attribute), set())
+
+    def container(items: Any, path: str, seen: set[int]) -> None:
+        if id(items) in seen:
+            return
+        seen.add(id(items))
+        used: dict[str, int] = {}
+        for item in list(items.values()) if isinstance(items, dict) else items:
+            if isinstance(item, KerasSaveable):
+                name = saving_lib._get_unique_name(
+                    naming.to_snake_case(item.__class__.__name__), used
+                )
+                walk(item, _join(path, name))
+            elif isinstance(item, list | dict | tuple):
+                container(
+                    item,
+                    _join(path, saving_lib._get_unique_name("container", used)),
+                    seen,
+                )
+
+    walk(model, "")
+    for i, variable in enumerate(model.metrics_variables):
+        found[f"metrics/vars/{i}"] = variable
+    return found
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}/{name}" if path else name
+
+
+# -- resuming fit where a checkpoint left it ----------------------------------
+
+_EpochIterator = None  # keras.src.trainers.epoch_iterator.EpochIterator
+_resume_at: list[int] = []  # the step the next epoch starts at (one-shot)
+# Called right before and right after an epoch's data iterator is made (see
+# `watch_new_iterators`).
+_iterator_watcher: list[tuple[Callable[[], None], Callable[[], None]]] = []
+
+
+def watch_new_iterators(before: Callable[[], None], after: Callable[[], None]) -> None:
+    """Call `before()` right before `fit` makes an epoch's data iterator and
+    `after()` right after (the moment a DataLoader or a `tf.data` pipeline
+    draws from the random generators), replacing the previous watcher."""
+    _install_epoch_start()
+    _iterator_watcher[:] = [(before, after)]
+
+
+def start_next_epoch_at(step: int) -> None:
+    """The next epoch that `fit` enumerates starts at batch `step`: the first
+    `step` batches are read and dropped (so the data, shuffled or not, goes
+    on where it was), callbacks see `on_train_batch_begin(step)` first, and
+    the progress bar counts from there. Consumed by that epoch; call it from
+    `on_epoch_begin`, before the epoch reads its first batch."""
+    _install_epoch_start()
+    _resume_at[:] = [int(step)]
+
+
+def _install_epoch_start() -> None:
+    global _EpochIterator
+    if _EpochIterator is not None:
+        return
+    from keras.src.trainers.epoch_iterator import EpochIterator  # noqa: PLC0415
+
+    original = EpochIterator._enumerate_iterator
+
+    @functools.wraps(original)
+    def enumerate_iterator(self: Any) -> Iterator[Any]:
+        start = _resume_at.pop() if _resume_at else 0
+        return (yield from _enumerate_from(self, start))
+
+    enumerate_iterator._keras_original = original
+    EpochIterator._enumerate_iterator = enumerate_iterator
+    _EpochIterator = EpochIterator
+
+
+def _new_iterator(self: Any) -> Iterator[Any]:
+    for before, _ in list(_iterator_watcher):
+        before()
+    iterator = iter(self._get_iterator())
+    for _, after in list(_iterator_watcher):
+        after()
+    return iterator
+
+
+def _enumerate_from(self: Any, start: int) -> Iterator[Any]:
+    """Keras' `EpochIterator._enumerate_iterator`, from batch `start`, telling
+    the watcher when it makes an iterator."""
+    self.data_adapter.on_epoch_begin()
+    steps_per_epoch = self.steps_per_epoch or self._num_batches or -1
+    if steps_per_epoch > 0:
+        if self._current_iterator is None or self.steps_per_epoch is None:
+            self._current_iterator = _new_iterator(self)
+            self._steps_seen = 0
+        for _ in range(start):
+            next(self._current_iterator)
+        self._steps_seen += start
+        for step in range(start, steps_per_epoch, self.steps_per_execution):
+            if self._num_batches and self._steps_seen >= self._num_batches:
+                if self.steps_per_epoch:
+                    self._interrupted_warning()
+                break
+            self._steps_seen += self.steps_per_execution
+            yield step, step + self.steps_per_execution - 1, self._current_iterator
+        if self._num_batches and self._steps_seen >= self._num_batches:
+            self._current_iterator = _new_iterator(self)
+            self._steps_seen = 0
+    else:
+        iterator = _new_iterator(self)
+        for _ in range(start):
+            next(iterator)
+        step = start - self.steps_per_execution
+        while True:
+            step += self.steps_per_execution
+            self._steps_seen = step + self.steps_per_execution
+            yield step, step + self.steps_per_execution - 1, iterator
+    self.data_adapter.on_epoch_end()
+
+
+def set_initial_epoch(model: Any, epoch: int | None) -> None:
+    """The epoch the `fit` now starting begins at (read right after
+    `on_train_begin`), as Keras' `BackupAndRestore` sets it; None: the
+    `initial_epoch` argument."""
+    model._initial_epoch = epoch
+
+
+def calling_callback_list() -> Any:
+    """The `CallbackList` whose `set_model` is calling the caller's
+    `set_model` (Keras gives a callback no handle on its siblings), or None."""
+    import sys  # noqa: PLC0415
+
+    frame = sys._getframe(2)
+    for _ in range(6):  # a subclass' set_model may call super()'s
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, keras.callbacks.CallbackList):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _check_resume() -> list[str]:
+    """What `start_next_epoch_at`, `set_initial_epoch`, `calling_callback_list`
+    and `saveable_variables` need."""
+    from keras.src.saving import saving_lib  # noqa: PLC0415
+    from keras.src.trainers.epoch_iterator import EpochIterator  # noqa: PLC0415
+
+    missing = []
+    method = EpochIterator._enumerate_iterator
+    source = inspect.getsource(getattr(method, "_keras_original", method))
+    for needle in (
+        "self._current_iterator",
+        "self._steps_seen",
+        "steps_per_execution",
+        "iter(self._get_iterator())",
+        "self._interrupted_warning()",
+    ):
+        if needle not in source:
+            missing.append(f"EpochIterator._enumerate_iterator uses {needle}")
+    trainer_source = inspect.getsource(type(keras.Model()).fit)
+    if "self._initial_epoch or initial_epoch" not in trainer_source:
+        missing.append("fit reads model._initial_epoch after on_train_begin")
+    if "callback.set_model(model)" not in inspect.getsource(
+        keras.callbacks.CallbackList.set_model
+    ):
+        missing.append("CallbackList.set_model calls each callback's set_model")
+    for name in ("_walk_saveable", "_get_unique_name"):
+        if not callable(getattr(saving_lib, name, None)):
+            missing.append(f"keras.src.saving.saving_lib.{name}")
+    dense = keras.layers.Dense(2)
+    dense.build((None, 3))
+    if not hasattr(dense, "_trainable_variables") or not hasattr(
+        dense, "_seed_generators"
+    ):
+        missing.append("Layer._trainable_variables / Layer._seed_generators")
+    return missing

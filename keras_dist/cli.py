@@ -43,6 +43,7 @@ def _launch(arguments: argparse.Namespace) -> int:
             coordinator=arguments.coordinator,
             max_restarts=arguments.max_restarts,
             hang_timeout=arguments.hang_timeout,
+            grace_period_seconds=arguments.grace_period,
         )
     except (TypeError, ValueError) as error:
         arguments.usage_error(str(error))  # exits with code 2, like argparse
@@ -114,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         "fit/evaluate/predict, every rank prints its Python stacks, one summary "
         "names the rank(s) behind and the job ends with code 124; 0 turns this "
         "off (default: KERAS_DIST_HANG_TIMEOUT, else 1800)",
+    )
+    launch.add_argument(
+        "--grace-period",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds stopped processes get between SIGTERM and SIGKILL (a "
+        "kd.Checkpoint saves in them when the launcher is stopped); default 10",
     )
     launch.add_argument("script", help="the Python script each process runs")
     launch.add_argument(

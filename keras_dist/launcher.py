@@ -38,6 +38,9 @@ _JOB_DIRECTORY_PREFIX = "keras_dist_job_"
 # on their own before they are stopped: the root cause may not be the first
 # exit the launcher sees (see `Launcher._root_cause`).
 _REPORT_WAIT_SECONDS = 1.0
+# The exit status of every rank of a job that a preemption signal stopped
+# after a `kd.Checkpoint` saved its state (EX_TEMPFAIL: "try again later").
+PREEMPTED_EXIT_CODE = 75
 # Signals that end a rank from outside; a failing peer causes exceptions and
 # aborts (SIGABRT), never these (the launcher stops ranks only after it has
 # named the root cause).
@@ -277,6 +280,11 @@ def job_paths(job_directory: str, rank: int) -> RankPaths:
 
 def describe_exit(rank: int, returncode: int) -> str:
     """`"rank 1 exited with code 3"` or `"rank 1 was killed by signal SIGKILL"`."""
+    if returncode == PREEMPTED_EXIT_CODE:
+        return (
+            f"rank {rank} was preempted (SIGTERM or SIGUSR1) and exited with code "
+            f"{returncode} after its kd.Checkpoint saved the job's state"
+        )
     if returncode >= 0:
         return f"rank {rank} exited with code {returncode}"
     try:

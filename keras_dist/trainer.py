@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import keras
 
 from keras_dist.callback import DistributeCallback
+from keras_dist.checkpoint import Checkpoint
 from keras_dist.policies import Distribution
 from keras_dist.session import active_run, check_distribution
 
@@ -21,13 +23,17 @@ class Trainer:
     (`keras_dist.set_distribution` or `with distribution.scope():`). Without
     one the model trains as plain Keras would.
 
+    `checkpoint=` (a directory, or a `keras_dist.Checkpoint` for its options)
+    makes every `fit` save with that `Checkpoint` and resume from its latest
+    checkpoint, as if it were in `fit`'s callbacks (it then must not be).
+
     Example:
 
     ```python
     class Net(keras_dist.Trainer, keras.Model):
         ...
 
-    model = Net(distribution=keras_dist.DataParallel())
+    model = Net(distribution=keras_dist.DataParallel(), checkpoint="checkpoints")
     # Functional models work too:
     class Functional(keras_dist.Trainer, keras.Model):
         ...  # nothing to add: the mixin does the work
@@ -37,12 +43,25 @@ class Trainer:
     """
 
     def __init__(
-        self, *args: Any, distribution: Distribution | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        distribution: Distribution | None = None,
+        checkpoint: str | os.PathLike | Checkpoint | None = None,
+        **kwargs: Any,
     ):
         if distribution is not None:
             check_distribution(distribution, "Trainer(distribution=...)")
+        if isinstance(checkpoint, str | os.PathLike):
+            checkpoint = Checkpoint(checkpoint)
+        elif checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+            raise TypeError(
+                "`Trainer(checkpoint=...)` takes a directory (str or os.PathLike) "
+                "or a `keras_dist.Checkpoint`. Received: "
+                f"{checkpoint!r} of type {type(checkpoint).__name__}"
+            )
         super().__init__(*args, **kwargs)
         self._keras_dist_distribution = distribution
+        self._keras_dist_checkpoint = checkpoint
 
     @property
     def distribution(self) -> Distribution | None:
@@ -52,28 +71,62 @@ class Trainer:
         current = keras.distribution.distribution()
         return current if isinstance(current, Distribution) else None
 
-    def _run_distributed(self, method: Any, args: tuple, kwargs: dict) -> Any:
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """The `keras_dist.Checkpoint` that `fit` saves with and resumes from,
+        if one was given as `checkpoint=`."""
+        return self._keras_dist_checkpoint
+
+    def _run_distributed(
+        self, method: Any, args: tuple, kwargs: dict, checkpoint: Any = None
+    ) -> Any:
         distribution = self.distribution
         bound = inspect.signature(method).bind(*args, **kwargs)
         callbacks = bound.arguments.get("callbacks")
+        if checkpoint is not None:
+            _check_one_checkpoint(callbacks)
         if (
             distribution is None
             or active_run(self) is not None
             or isinstance(callbacks, keras.callbacks.CallbackList)
         ):
-            return method(*args, **kwargs)
+            if checkpoint is None:
+                return method(*args, **kwargs)
+            bound.arguments["callbacks"] = [*(callbacks or []), checkpoint]
+            return method(*bound.args, **bound.kwargs)
         callback = DistributeCallback(distribution)
-        bound.arguments["callbacks"] = [*(callbacks or []), callback]
+        added = [callback] if checkpoint is None else [callback, checkpoint]
+        bound.arguments["callbacks"] = [*(callbacks or []), *added]
         try:
             return method(*bound.args, **bound.kwargs)
         finally:
             callback.close()
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_distributed(super().fit, args, kwargs)
+        return self._run_distributed(
+            super().fit, args, kwargs, checkpoint=self._keras_dist_checkpoint
+        )
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_distributed(super().evaluate, args, kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_distributed(super().predict, args, kwargs)
+
+
+def _check_one_checkpoint(callbacks: Any) -> None:
+    """`fit(callbacks=...)` of a Trainer given `checkpoint=`: a list (or
+    None) without a `keras_dist.Checkpoint` of its own."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        raise ValueError(
+            "A Trainer given `checkpoint=` adds its `keras_dist.Checkpoint` to "
+            "`fit`'s callbacks, which must then be a list, not a "
+            "`keras.callbacks.CallbackList`. Pass a list of callbacks."
+        )
+    if any(isinstance(callback, Checkpoint) for callback in callbacks or []):
+        raise ValueError(
+            "This Trainer was given `checkpoint=` and `fit(callbacks=...)` holds "
+            "a `keras_dist.Checkpoint` too: use one or the other (drop "
+            "`checkpoint=` from the constructor, or the Checkpoint from "
+            "`callbacks`)."
+        )

@@ -119,6 +119,18 @@ class BackendAdapter(abc.ABC):
         By default a `barrier`, which waits on process 0 too."""
         self.barrier(key, timeout_seconds=timeout_seconds)
 
+    def random_stream(self) -> Any:
+        """The backend's own global random generator that Keras shuffles
+        with (a `keras_dist.random_streams.BackendStream`), or None when Keras
+        shuffles with NumPy's and Python's only (JAX, TensorFlow)."""
+        return None
+
+    def data_random_stream(self) -> Any:
+        """A generator of keras_dist's own that shuffles the data of the active
+        run (a `BackendStream`; read and set only right before an epoch's
+        data iterator is made), or None."""
+        return None
+
     def collective_trace(self) -> str | None:
         """A readable account of this process' latest collectives (which one
         it waits in), for the hang doctor; None when the backend keeps none

@@ -61,7 +61,13 @@ from keras_dist.launcher import (
 )
 
 TORCHELASTIC_ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# Signals a preemption handler (`on_preemption`) may turn into "save, then
+# stop": SIGTERM (SLURM, Kubernetes, `keras-dist launch`) and SIGUSR1
+# (`sbatch --signal`). SIGINT (Ctrl-C) always stops at once.
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_GRACE_VARIABLE = "KERAS_DIST_PREEMPTION_GRACE"
+DEFAULT_PREEMPTION_GRACE_SECONDS = 120.0
 # How often the watcher checks that the launcher still runs (the parent-death
 # signal normally tells it at once; this is the portable fallback).
 _PARENT_CHECK_SECONDS = 0.5
@@ -79,6 +85,9 @@ _ending = threading.Lock()
 # Set by `announce_end`: the exit code this rank is about to end with, and
 # the monotonic time by which it will have ended.
 _announced: dict[str, float] = {}
+# `on_preemption` handlers, newest last; the grace timer once one ran.
+_preemption_handlers: list[Callable[[int], object]] = []
+_grace_timer: list[threading.Timer] = []
 
 
 def install(rank: int) -> None:
@@ -148,15 +157,69 @@ def call_at_end(function: Callable[[], object]) -> None:
     _at_end.append(function)
 
 
+def on_preemption(handler: Callable[[int], object]) -> Callable[[], None]:
+    """While registered, SIGTERM and SIGUSR1 call `handler(signum)` (from the
+    watcher thread) instead of ending the process: the handler arranges a
+    save and the end (`kd.Checkpoint`). The process still ends by the signal
+    `KERAS_DIST_PREEMPTION_GRACE` seconds (120 by default) after the first
+    one, saved or not; SIGINT and the launcher's death end it at once.
+    Returns the function that unregisters the handler.
+
+    Example:
+
+    >>> remove = on_preemption(lambda signum: request.set())
+    """
+    _preemption_handlers.append(handler)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            _preemption_handlers.remove(handler)
+
+    return remove
+
+
+def preemption_grace_seconds() -> float:
+    raw = os.environ.get(PREEMPTION_GRACE_VARIABLE, "")
+    if not raw.strip():
+        return DEFAULT_PREEMPTION_GRACE_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(
+            f"{PREEMPTION_GRACE_VARIABLE} must be a positive number of seconds. "
+            f"Received: {raw!r}"
+        )
+    return value
+
+
 def stop(signum: int) -> None:
     """End this rank as a stop signal asks: remove its temporary files, flush
     its output, then end the process (its process group when it leads one)
-    with `signum`, so that whoever started it sees that signal.
+    with `signum`, so that whoever started it sees that signal. SIGTERM and
+    SIGUSR1 go to the preemption handler instead while one is registered
+    (`on_preemption`).
 
-    The one place SIGTERM and SIGINT are handled once `install` ran; it may run
-    in any thread and returns only when another thread is already ending the
-    process.
+    The one place SIGTERM, SIGINT and SIGUSR1 are handled once `install` ran;
+    it may run in any thread and returns only when another thread is already
+    ending the process (or a preemption handler took the signal).
     """
+    if signum in PREEMPTION_SIGNALS and _preemption_handlers:
+        if not _grace_timer:
+            timer = threading.Timer(
+                preemption_grace_seconds(), _stop_now, args=(signum,)
+            )
+            timer.daemon = True
+            _grace_timer.append(timer)
+            timer.start()
+        _preemption_handlers[-1](signum)
+        return
+    _stop_now(signum)
+
+
+def _stop_now(signum: int) -> None:
+    """`stop` without asking a preemption handler."""
     if not _ending.acquire(blocking=False):
         return
     _clean_up()
@@ -230,7 +293,6 @@ class _ExceptHook:
             self.previous(exception_type, exception, trace)
         finally:
             _end(1)
-
 
     @staticmethod
     def _end_as_announced(
@@ -415,7 +477,7 @@ def _watch(wakeup: int | None) -> None:
             if signum in STOP_SIGNALS:
                 stop(signum)
         if _launcher_is_gone():
-            stop(signal.SIGTERM)
+            _stop_now(signal.SIGTERM)
 
 
 def _launcher_is_gone() -> bool:

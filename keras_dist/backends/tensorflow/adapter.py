@@ -29,6 +29,7 @@ from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.tensorflow import input_adapter as inputs
 from keras_dist.backends.tensorflow import keras_internals as internals
 from keras_dist.padding import check_same_input, fingerprint
+from keras_dist.random_streams import BackendStream
 
 _NOT_YET = (
     "{what} is not implemented for the TensorFlow backend in keras_dist; "
@@ -293,6 +294,28 @@ class TensorFlowAdapter(BackendAdapter):
             return None
         return np.random.RandomState(self._shared_seed(strategy))
 
+    def data_random_stream(self) -> Any:
+        """The multi-worker shuffle stream of the active run (`shuffle_stream`),
+        None in one process (Keras shuffles from NumPy's global generator)."""
+        stream = getattr(self, "_shuffle_stream", None)
+        if stream is None:
+            return None
+
+        def get() -> np.ndarray:
+            _, keys, position, has_gauss, cached = stream.get_state()
+            return np.concatenate(
+                [keys, [position, has_gauss], np.array([cached]).view("uint32")]
+            ).astype("uint32")
+
+        def put(words: np.ndarray) -> None:
+            words = np.asarray(words, "uint32")
+            cached = float(words[626:628].view("float64")[0])
+            stream.set_state(
+                ("MT19937", words[:624], int(words[624]), int(words[625]), cached)
+            )
+
+        return BackendStream(get=get, set=put)
+
     def _check_same_input(self, strategy: Any, dataset: Any) -> None:
         """Fail fast, naming them, when processes read different first batches."""
         batch = next(iter(dataset.take(1)), None)
@@ -336,7 +359,7 @@ class TensorFlowAdapter(BackendAdapter):
             )
         internals.attach_strategy(model, strategy)
         self._on_deactivate(model, internals.build_optimizer_in_scope(model, strategy))
-        shuffle_stream = self.shuffle_stream(strategy)
+        shuffle_stream = self._shuffle_stream = self.shuffle_stream(strategy)
         unchecked = [self._multi_worker is not None]
         unprepared = [True]
 
@@ -344,7 +367,13 @@ class TensorFlowAdapter(BackendAdapter):
             dataset = self.global_batches(data_adapter, shuffle_stream)
             if unchecked[0] and internals.reads_again(data_adapter):
                 unchecked[0] = False
+                # The check reads the first batch; the epoch then reads the
+                # same order again, not the next one (a resumed run checks in
+                # a later epoch and must draw as the first run did).
+                drawn = shuffle_stream.get_state() if shuffle_stream else None
                 self._check_same_input(strategy, dataset)
+                if drawn is not None:
+                    shuffle_stream.set_state(drawn)
             if unprepared[0]:
                 unprepared[0] = False
                 internals.prepare(model, strategy, dataset.element_spec)

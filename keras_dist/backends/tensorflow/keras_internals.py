@@ -8,6 +8,7 @@ multi-worker bugs (keras-team/keras#20585), each reproduced by a test in
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+from tensorflow.python.checkpoint import async_checkpoint_helper
 
 from keras_dist._keras_compat import (
     EpochRouting,
@@ -76,6 +78,13 @@ def check() -> list[str]:
     variable = keras.Variable(1.0)
     if not (hasattr(variable, "_initialize") and hasattr(variable, "_value")):
         missing.append("Variable._initialize / Variable._value")
+    helper = async_checkpoint_helper.AsyncCheckpointHelper
+    if not hasattr(tf.train.Checkpoint(), "_async_checkpointer_impl"):
+        missing.append("tf.train.Checkpoint._async_checkpointer_impl")
+    if "_async_error" not in helper.__init__.__code__.co_names or not hasattr(
+        helper, "_join_async_save_thread"
+    ):
+        missing.append("AsyncCheckpointHelper._async_error / _join_async_save_thread")
     for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
         if not hasattr(loss_module, name):
             missing.append(f"keras.src.losses.loss.{name}")
@@ -311,6 +320,41 @@ def _build_layers(model: Any, x: Any) -> None:
         return keras.KerasTensor(spec.shape, dtype)
 
     model(keras.tree.map_structure(symbolic, x), training=False)
+
+
+# -- checkpoints ---------------------------------------------------------------
+def tf_variable(variable: Any) -> Any:
+    """The TensorFlow variable behind a Keras variable: a `MirroredVariable` or
+    `SyncOnReadVariable` once keras_dist mirrored it, else a plain one."""
+    value = variable._value
+    if value is None:
+        raise ValueError(
+            f"Variable {variable.path!r} has no value yet; build the model (and "
+            "its optimizer) before saving or restoring a checkpoint."
+        )
+    return value
+
+
+def take_async_write_error(checkpoint: Any) -> BaseException | None:
+    """Why `checkpoint`'s last background write (`enable_async`) failed, or
+    None. TensorFlow keeps the error to raise at the next write; taken here,
+    it is reported once, by the wait that found the write unfinished."""
+    helper = getattr(checkpoint, "_async_checkpointer_impl", None)
+    error = getattr(helper, "_async_error", None)
+    if error is not None:
+        helper._async_error = None
+    return error
+
+
+def close_async_writer(checkpoint: Any) -> None:
+    """End `checkpoint`'s background-write thread and free its host copies of
+    the variables, which TensorFlow keeps until the process exits."""
+    helper = getattr(checkpoint, "_async_checkpointer_impl", None)
+    if helper is None:
+        return
+    atexit.unregister(helper._join_async_save_thread)
+    take_async_write_error(checkpoint)  # reported by its own wait, if any
+    helper._join_async_save_thread()
 
 
 # -- steps ---------------------------------------------------------------------

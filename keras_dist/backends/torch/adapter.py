@@ -336,13 +336,17 @@ class TorchAdapter(BackendAdapter):
             torch_distributed.broadcast(words, src=0)
             return words.numpy()
 
-        torch_stream = BackendStream(
+        take_process_zero_streams(broadcast, self.random_stream())
+
+    def random_stream(self) -> BackendStream:
+        """torch's global generator (the array adapter's DataLoader shuffles
+        with it)."""
+        return BackendStream(
             get=lambda: torch.get_rng_state().numpy(),
             set=lambda words: torch.set_rng_state(
                 torch.as_tensor(np.asarray(words, "uint8"))
             ),
         )
-        take_process_zero_streams(broadcast, torch_stream)
 
     def _check_same_input(self, fingerprint: int) -> None:
         world_size, _ = self._world()
@@ -365,6 +369,11 @@ class TorchAdapter(BackendAdapter):
         world_size, rank = self._world()
         # The user's own steps run as written (see `custom_steps`).
         user_steps = internals.user_steps(model)
+        # Under DDP each process keeps its own metric states (`_MetricSync`
+        # marks those built later); under DTensor they are global.
+        internals.mark_metric_states(
+            list(model.metrics_variables), per_process=world_size > 1 and not dtensors
+        )
         if dtensors:
             # Variables become DTensors (process 0's values); every process
             # computes on each whole global batch: one replica, data not split.

@@ -91,6 +91,9 @@ def check() -> list[str]:
     if any(not hasattr(v, "aggregation") for v in metric.variables):
         missing.append("Variable.aggregation")
     missing += _check_variable_storage()
+    mark_metric_states([metric.variables[0]], per_process=True)
+    if not metric_state_is_per_process(metric.variables[0]):
+        missing.append("an attribute set on a Keras Variable")
     if not hasattr(keras_distribution_lib, "distribution_lib"):
         missing.append("keras.src.distribution.distribution_lib.distribution_lib")
     return missing
@@ -166,6 +169,7 @@ class _MetricSync:
         self._model = model
         self._world_size = collectives.world_size
         self._metrics = list(model.metrics_variables)
+        mark_metric_states(self._metrics, per_process=True)
         self._shared = []
         if average_non_trainable:
             self._shared = [
@@ -199,6 +203,23 @@ class _MetricSync:
         for variable, value in zip(self._metrics, self._local, strict=True):
             variable.assign(value)
         return results
+
+
+_PER_PROCESS = "_keras_dist_per_process"
+
+
+def mark_metric_states(variables: list[Any], *, per_process: bool) -> None:
+    """Record whether each process holds its own value of these metric states
+    (DDP, summed by `_MetricSync`) or the same global one (one process,
+    DTensor): checkpoints save the global value of per-process states."""
+    for variable in variables:
+        setattr(variable, _PER_PROCESS, per_process)
+
+
+def metric_state_is_per_process(variable: Any) -> bool:
+    """Whether `variable` is a metric state each process holds its own value
+    of (see `mark_metric_states`)."""
+    return bool(getattr(variable, _PER_PROCESS, False))
 
 
 def _synced_results(model: Any, collectives: Collectives) -> dict[str, Any]:

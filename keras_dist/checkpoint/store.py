@@ -1,0 +1,174 @@
+"""Step directories: how a checkpoint appears atomically and is found again.
+
+```
+<directory>/step-000000120/        a committed checkpoint
+    keras_dist.json                its manifest, written last
+    <the engine's files>           Orbax / torch DCP / tf.train.Checkpoint
+<directory>/.tmp-step-000000120/   being written; never read, removed when stale
+```
+
+Process 0 creates the temporary directory, every process writes its part into
+it (the engine), then process 0 lists every file with its size in the
+manifest, writes the manifest and renames the directory: a process killed at
+any moment leaves the previous checkpoint or the new one, never a half one
+that a restore would pick. A step directory counts only when its manifest
+parses and every file it lists is there with the listed size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+MANIFEST = "keras_dist.json"
+FORMAT_VERSION = 1
+_STEP = re.compile(r"^step-(\d+)$")
+_TEMPORARY = re.compile(r"^\.tmp-step-(\d+)$")
+
+
+def step_directory(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step-{int(step):09d}")
+
+
+def temporary_directory(directory: str, step: int) -> str:
+    return os.path.join(directory, f".tmp-step-{int(step):09d}")
+
+
+def prepare(directory: str, step: int) -> str:
+    """Process 0, before every process writes step `step`: an empty temporary
+    directory for it (one a killed save left is removed first)."""
+    os.makedirs(directory, exist_ok=True)
+    temporary = temporary_directory(directory, step)
+    if os.path.lexists(temporary):
+        shutil.rmtree(temporary, ignore_errors=True)
+    os.makedirs(temporary)
+    return temporary
+
+
+def commit(directory: str, step: int, manifest: dict[str, Any]) -> str:
+    """Process 0, once every process wrote its part of step `step`: list the
+    files, write the manifest and rename the temporary directory to
+    `step-<N>`. Returns the committed directory."""
+    temporary = temporary_directory(directory, step)
+    files = {}
+    for root, _, names in os.walk(temporary):
+        for name in names:
+            path = os.path.join(root, name)
+            files[os.path.relpath(path, temporary)] = os.path.getsize(path)
+    manifest = {**manifest, "format": FORMAT_VERSION, "step": int(step), "files": files}
+    _write_durably(os.path.join(temporary, MANIFEST), json.dumps(manifest, indent=1))
+    final = step_directory(directory, step)
+    if os.path.lexists(final):  # the same step saved again (a resumed run)
+        old = final + ".replaced"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(temporary, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(temporary, final)
+    _sync_directory(directory)
+    return final
+
+
+def read_manifest(step_path: str) -> dict[str, Any]:
+    """The manifest of a committed step directory; `ValueError` naming what
+    is wrong when it is not complete."""
+    path = os.path.join(step_path, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as file:
+            manifest = json.load(file)
+    except FileNotFoundError:
+        raise ValueError(
+            f"{step_path} is not a complete keras_dist checkpoint: it has no "
+            f"{MANIFEST} (the save that wrote it did not finish)."
+        ) from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} cannot be read: {error}") from error
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ValueError(
+            f"{step_path} has checkpoint format {manifest.get('format')!r}; this "
+            f"keras_dist reads format {FORMAT_VERSION}. Upgrade keras_dist."
+        )
+    for name, size in manifest.get("files", {}).items():
+        file_path = os.path.join(step_path, name)
+        if not os.path.isfile(file_path) or os.path.getsize(file_path) != size:
+            raise ValueError(
+                f"{step_path} is not a complete keras_dist checkpoint: its file "
+                f"{name} is missing or not {size} bytes long."
+            )
+    return manifest
+
+
+def complete_steps(directory: str) -> list[int]:
+    """The steps of `directory` whose checkpoint is complete, in order."""
+    steps = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for name in os.listdir(directory):
+            match = _STEP.match(name)
+            if match is None:
+                continue
+            with contextlib.suppress(ValueError):
+                read_manifest(os.path.join(directory, name))
+                steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_step(directory: str) -> int | None:
+    steps = complete_steps(directory)
+    return steps[-1] if steps else None
+
+
+def prune(directory: str, keep: int, *, protect: int | None = None) -> list[int]:
+    """Remove all but the newest `keep` complete checkpoints (never
+    `protect`), and temporary directories of steps older than the newest
+    complete one (saves killed outright). Returns the removed steps."""
+    steps = complete_steps(directory)
+    removed = [step for step in steps[: max(len(steps) - keep, 0)] if step != protect]
+    for step in removed:
+        # Renamed first: a process killed while removing it leaves a temporary
+        # directory (removed by the next prune), never a torn `step-<N>`.
+        doomed = temporary_directory(directory, step)
+        shutil.rmtree(doomed, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.replace(step_directory(directory, step), doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    newest = steps[-1] if steps else None
+    if newest is None:
+        return removed
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            # Left by processes killed outright: unfinished saves, torn
+            # removals, a replaced step of a commit cut short.
+            match = _TEMPORARY.match(name) or _STEP.match(
+                name.removesuffix(".replaced")
+            )
+            if (
+                match
+                and int(match.group(1)) < newest
+                and (name.startswith(".") or int(match.group(1)) not in steps)
+                or name.endswith(".replaced")
+            ):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    return removed
+
+
+def _write_durably(path: str, text: str) -> None:
+    partial = path + ".partial"
+    with open(partial, "w", encoding="utf-8") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, path)
+
+
+def _sync_directory(directory: str) -> None:
+    with contextlib.suppress(OSError):
+        descriptor = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)

@@ -1,0 +1,230 @@
+"""`kd.Checkpoint`, `kd.restore` and `kd.export` in one process (issue 12).
+
+Every backend: JAX and TensorFlow on 8 simulated devices, PyTorch in one
+process. A fit cut short mid-epoch and resumed from its latest checkpoint ends
+exactly as the uninterrupted fit: weights, optimizer, metrics of the resumed
+epoch, Dropout, BatchNormalization, `shuffle=True` and the state of
+ReduceLROnPlateau and EarlyStopping. Multi-process jobs, kills and
+preemption: `test_checkpoint_jobs.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist.checkpoint import store
+from tests.test_launcher import wait_until
+from tests.workers.checkpoint_resume_worker import BATCH, build, data
+
+
+class _Interrupt(keras.callbacks.Callback):
+    """Raises KeyboardInterrupt after the `at`-th batch (counted over epochs)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+        self.seen = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.at:
+            raise KeyboardInterrupt(f"cut at batch {self.at}")
+
+
+def _fit(directory, *, interrupt_at=None, background=True, **checkpoint_options):
+    model = build(dropout=True)
+    x, y = data()
+    plateau = keras.callbacks.ReduceLROnPlateau("loss", factor=0.5, patience=0)
+    stopping = keras.callbacks.EarlyStopping("loss", patience=5)
+    callbacks = [
+        kd.DistributeCallback(kd.DataParallel()),
+        kd.Checkpoint(
+            directory, save_freq=2, save_on_background=background, **checkpoint_options
+        ),
+        plateau,
+        stopping,
+    ]
+    if interrupt_at is not None:
+        callbacks.append(_Interrupt(interrupt_at))
+    keras.utils.set_random_seed(7)
+    try:
+        history = model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=3,
+            shuffle=True,
+            verbose=0,
+            callbacks=callbacks,
+        )
+    except KeyboardInterrupt:
+        return model, None, plateau, stopping
+    return model, history.history, plateau, stopping
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    model, history, plateau, stopping = _fit(directory / "ck")
+    return {
+        "weights": model.get_weights(),
+        "history": history,
+        "plateau": (plateau.best, plateau.wait, plateau.cooldown_counter),
+        "stopping": (stopping.best, stopping.wait),
+        "learning_rate": float(
+            keras.ops.convert_to_numpy(model.optimizer.learning_rate)
+        ),
+        "directory": directory / "ck",
+    }
+
+
+def _assert_weights_equal(got: list, expected: list, atol: float = 1e-6) -> None:
+    assert len(got) == len(expected)
+    for ours, theirs in zip(got, expected, strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "blocking"])
+def test_a_fit_cut_mid_epoch_resumes_exactly(uninterrupted, tmp_path, background):
+    directory = tmp_path / "ck"
+    # 6 batches an epoch: cut after batch 9 (epoch 1); the latest complete
+    # checkpoint is step 8 (save_freq=2), mid-epoch.
+    _fit(directory, interrupt_at=9, background=background)
+    # A background save goes on after the call raised, and commits once
+    # written.
+    assert wait_until(lambda: store.latest_step(str(directory)) == 8, timeout=60)
+    keras.utils.set_random_seed(123)  # the resume does not depend on it
+    model, history, plateau, stopping = _fit(directory, background=background)
+
+    _assert_weights_equal(model.get_weights(), uninterrupted["weights"])
+    # The resumed epochs' logs (epoch 1 from its batch 2 on) are the same.
+    for key, values in uninterrupted["history"].items():
+        np.testing.assert_allclose(history[key], values[1:], atol=1e-6, err_msg=key)
+    assert (plateau.best, plateau.wait, plateau.cooldown_counter) == pytest.approx(
+        uninterrupted["plateau"]
+    )
+    assert (stopping.best, stopping.wait) == pytest.approx(uninterrupted["stopping"])
+    learning_rate = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+    assert learning_rate == pytest.approx(uninterrupted["learning_rate"])
+
+
+def test_checkpoints_are_committed_whole_and_pruned(uninterrupted, tmp_path):
+    directory = tmp_path / "ck"
+    _fit(directory, max_to_keep=2)
+    names = sorted(os.listdir(directory))
+    assert names == ["step-000000016", "step-000000018"]
+    manifest = json.loads((directory / names[-1] / store.MANIFEST).read_text())
+    assert manifest["step"] == 18 and manifest["position"]["epoch"] == 3
+    for name, size in manifest["files"].items():
+        assert (directory / names[-1] / name).stat().st_size == size
+    # An unfinished save (no manifest) and a step with a file cut short are
+    # never picked, by a resume or by kd.restore.
+    shutil.copytree(directory / names[-1], directory / ".tmp-step-000000020")
+    (directory / ".tmp-step-000000020" / store.MANIFEST).unlink()
+    torn = directory / "step-000000022"
+    shutil.copytree(directory / names[-1], torn)
+    (torn / store.MANIFEST).write_text(
+        json.dumps({**manifest, "step": 22}).replace('"step": 18', '"step": 22')
+    )
+    largest = max(manifest["files"], key=manifest["files"].get)
+    with open(torn / largest, "r+b") as handle:
+        handle.truncate(1)
+    assert store.complete_steps(str(directory)) == [16, 18]
+    model = build(dropout=True)
+    assert kd.restore(model, directory) == 18
+    with pytest.raises(ValueError, match="not a complete keras_dist checkpoint"):
+        kd.restore(build(dropout=True), directory, step=22)
+
+
+def test_restore_gives_a_fresh_model_the_saved_predictions(uninterrupted):
+    model = build(dropout=True)
+    step = kd.restore(model, uninterrupted["directory"])
+    assert step == 18
+    _assert_weights_equal(model.get_weights(), uninterrupted["weights"])
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 18
+
+
+def test_restore_names_what_does_not_match(uninterrupted, tmp_path):
+    wider = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(9, name="hidden"), keras.layers.Dense(1)]
+    )
+    wider.compile(optimizer="adam", loss="mse")
+    with pytest.raises(ValueError, match="does not match the checkpoint"):
+        kd.restore(wider, uninterrupted["directory"])
+    with pytest.raises(ValueError, match="holds no complete keras_dist checkpoint"):
+        kd.restore(build(), tmp_path)
+    with pytest.raises(ValueError, match="has no checkpoint of step 5"):
+        kd.restore(build(), uninterrupted["directory"], step=5)
+    with pytest.raises(TypeError, match="needs a keras.Model"):
+        kd.restore("model", uninterrupted["directory"])
+    unbuilt = keras.Sequential([keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="is not built"):
+        kd.restore(unbuilt, uninterrupted["directory"])
+
+
+def test_save_best_only_saves_when_the_monitored_value_improves(tmp_path):
+    directory = tmp_path / "ck"
+    model = build(dropout=False)
+    x, y = data()
+    losses = []
+
+    class Losses(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            losses.append(logs["loss"])
+
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=4,
+        verbose=0,
+        callbacks=[
+            kd.DistributeCallback(kd.DataParallel()),
+            kd.Checkpoint(
+                directory, monitor="loss", save_best_only=True, max_to_keep=None
+            ),
+            Losses(),
+        ],
+    )
+    improved = [i for i, loss in enumerate(losses) if loss == min(losses[: i + 1])]
+    assert store.complete_steps(str(directory)) == [6 * (i + 1) for i in improved]
+
+
+def test_export_writes_one_file_plain_keras_loads(uninterrupted, tmp_path):
+    model = build(dropout=True)
+    kd.restore(model, uninterrupted["directory"])
+    path = kd.export(model, tmp_path / "model.keras")
+    loaded = keras.saving.load_model(path)
+    x, _ = data()
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6
+    )
+    kd.export(model, tmp_path / "model.weights.h5")
+    fresh = build(dropout=True)
+    fresh.load_weights(tmp_path / "model.weights.h5")
+    _assert_weights_equal(fresh.get_weights(), model.get_weights(), atol=0)
+    with pytest.raises(ValueError, match=r"\.keras"):
+        kd.export(model, tmp_path / "model.h5")
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"save_freq": 0}, "save_freq"),
+        ({"save_freq": "batch"}, "save_freq"),
+        ({"max_to_keep": 0}, "max_to_keep"),
+        ({"mode": "lowest"}, "mode"),
+        ({"save_best_only": True}, "monitor"),
+        ({"save_on_background": "yes"}, "save_on_background"),
+    ],
+)
+def test_checkpoint_rejects_bad_arguments_naming_them(options, error, tmp_path):
+    with pytest.raises((ValueError, TypeError), match=error):
+        kd.Checkpoint(tmp_path, **options)

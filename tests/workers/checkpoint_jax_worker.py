@@ -1,0 +1,168 @@
+"""One process of a JAX job that saves or restores through the Orbax engine.
+
+Usage: python checkpoint_jax_worker.py SCENARIO CHECKPOINT_DIR OUTPUT_JSON
+
+- `kill` (1 process): starts a background save of 128 MiB into CHECKPOINT_DIR
+  and kills itself with SIGKILL as soon as `save` returns.
+- `save` (2 processes x 4 devices): trains `model()` a few steps under a
+  ModelParallel layout whose `model` axis spans the processes (each process
+  holds half of `hidden`'s kernel), saves it into CHECKPOINT_DIR (process 0
+  creates it) and writes the manifest entries and the full saved values.
+- `read` (1 process, any Keras backend): `read_arrays` of CHECKPOINT_DIR (its
+  entries in `entries.json`), written with the values as lists.
+- `load` (2 processes x 4 devices): restores CHECKPOINT_DIR (written by one
+  process, with its entries in `entries.json`) into the same layout and
+  writes the full restored values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+# keras_dist first: importing it applies KERAS_DIST_CPU_DEVICES before JAX starts.
+import keras_dist as kd  # isort: skip
+
+import keras
+import numpy as np
+
+from keras_dist._keras_compat import saveable_variables
+from keras_dist.backends import get_adapter
+from keras_dist.backends.jax import checkpoint
+
+TIMEOUT_SECONDS = 60.0
+FEATURES, HIDDEN, BATCH = 64, 256, 16
+
+
+def model(seed: int = 1) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    net = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(HIDDEN, activation="relu", name="hidden"),
+            keras.layers.Dropout(0.25),
+            keras.layers.Dense(3, activation="softmax", name="head"),
+        ]
+    )
+    net.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    return net
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, FEATURES)).astype("float32")
+    return x, rng.integers(0, 3, size=(64,))
+
+
+def model_parallel() -> kd.ModelParallel:
+    # Devices in process order: the `model` axis (first) spans the 2 processes.
+    mesh = kd.DeviceMesh((2, 4), ["model", "batch"])
+    layout_map = kd.LayoutMap(mesh)
+    layout_map["hidden/kernel"] = (None, "model")
+    return kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def entries(state: dict) -> dict:
+    return {
+        key: {"shape": list(v.shape), "dtype": str(v.value.dtype)}
+        for key, v in state.items()
+    }
+
+
+def kill(directory: Path) -> None:
+    state = {
+        f"layers/big/vars/{i}": keras.Variable(np.full((1024, 8 * 1024), i, "float32"))
+        for i in range(4)
+    }
+    checkpoint.save(directory, state, background=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def read(directory: Path, output: Path) -> None:
+    import jax  # noqa: PLC0415
+
+    saved = json.loads((directory / "entries.json").read_text())
+    arrays = checkpoint.read_arrays(directory, saved)
+    result = {
+        "backend": keras.backend.backend(),
+        "jax_platforms": jax.config.jax_platforms,
+        "values": {key: value.tolist() for key, value in arrays.items()},
+        "dtypes": {key: str(value.dtype) for key, value in arrays.items()},
+    }
+    output.write_text(json.dumps(result))
+
+
+class LoadAtTrainEnd(keras.callbacks.Callback):
+    """Restores `directory` into the model once fit has laid it out."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def on_train_end(self, logs=None):
+        saved = json.loads((self.directory / "entries.json").read_text())
+        checkpoint.load(self.directory, saveable_variables(self.model), saved)
+
+
+def gathered(state: dict) -> dict:
+    """The full value of every variable, on every process (a collective)."""
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return {
+        key: np.asarray(
+            multihost_utils.process_allgather(variable.value, tiled=True)
+        ).tolist()
+        for key, variable in state.items()
+    }
+
+
+def main(scenario: str, directory: Path, output: Path) -> None:
+    if scenario == "kill":
+        kill(directory)
+        return
+    if scenario == "read":
+        read(directory, output)
+        return
+    kd.initialize()
+    # A second fit/predict with kd.DistributeCallback cannot re-lay out
+    # variables that already span processes; everything happens in one fit.
+    callbacks = [kd.DistributeCallback(model_parallel())]
+    if scenario == "load":
+        callbacks.append(LoadAtTrainEnd(directory))
+    elif scenario != "save":
+        raise ValueError(f"Unknown scenario {scenario!r}")
+    x, y = data()
+    net = model(seed=1 if scenario == "save" else 7)
+    steps = 3 if scenario == "save" else 1
+    net.fit(
+        x[: steps * BATCH],
+        y[: steps * BATCH],
+        batch_size=BATCH,
+        verbose=0,
+        callbacks=callbacks,
+    )
+    state = saveable_variables(net)
+    result: dict = {"rank": get_adapter().process_id()}
+    if scenario == "save":
+        if result["rank"] == 0:
+            directory.mkdir()
+        get_adapter().barrier("checkpoint directory", timeout_seconds=TIMEOUT_SECONDS)
+        checkpoint.save(directory, state, background=True).wait(TIMEOUT_SECONDS)
+        result["entries"] = entries(state)
+    kernel = net.get_layer("hidden").kernel.value
+    result["kernel_shards"] = sorted(
+        {tuple(s.data.shape) for s in kernel.addressable_shards}
+    )
+    result["values"] = gathered(state)
+    output.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))

@@ -1,0 +1,125 @@
+"""One rank of a job that trains under `kd.Checkpoint` and may be cut short.
+
+Usage: python checkpoint_resume_worker.py CHECKPOINT_DIR STATE_DIR [OUTPUT]
+Started by `keras-dist launch` (no OUTPUT) or by `tests.multiprocess.run_job`.
+Environment:
+- FAULTS: `signal@step@rank,...` (e.g. `KILL@9@1,TERM@14@0`): the n-th fault
+  happens in the n-th attempt of the job (`KERAS_DIST_RESTART_COUNT`), when
+  that rank has finished that global step: the rank sends itself the signal.
+- DROPOUT: "0" leaves Dropout out (runs on another world size differ in it).
+- STEP_SECONDS: a pause after every batch (a test signals the job mid-fit).
+Every epoch's logs go to STATE_DIR/epochs.jsonl (process 0, one line per
+epoch, the last attempt's line wins); each rank writes its final weights and
+logs to STATE_DIR/result-<rank>.json (or OUTPUT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import keras
+import numpy as np
+
+import keras_dist as kd
+
+ROWS, BATCH, EPOCHS = 45, 8, 3  # 6 batches an epoch, the last one of 5 rows
+
+
+def build(dropout: bool = True) -> keras.Model:
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,), name="x")
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    if dropout:
+        hidden = keras.layers.Dropout(0.3, name="dropout")(hidden)
+    hidden = keras.layers.BatchNormalization(name="norm")(hidden)
+    outputs = keras.layers.Dense(1, name="out")(hidden)
+    model = keras.Model(inputs, outputs, name="resumable")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 6)).astype("float32")
+    return x, (x.sum(axis=1, keepdims=True) * 0.3).astype("float32")
+
+
+class Fault(keras.callbacks.Callback):
+    """This attempt's fault: the rank signals itself after a global step."""
+
+    def __init__(self, checkpoint: kd.Checkpoint) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        faults = [f for f in os.environ.get("FAULTS", "").split(",") if f]
+        attempt = int(os.environ.get("KERAS_DIST_RESTART_COUNT", "0"))
+        self.fault = faults[attempt].split("@") if attempt < len(faults) else None
+
+    def on_train_batch_end(self, batch, logs=None):
+        # A slower job, for a test to signal it mid-fit.
+        time.sleep(float(os.environ.get("STEP_SECONDS", "0")))
+        if self.fault is None:
+            return
+        name, step, rank = self.fault
+        if self.checkpoint._global_step == int(step) and kd.process_id() == int(rank):
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+
+
+class EpochLog(keras.callbacks.Callback):
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def on_epoch_end(self, epoch, logs=None):
+        if kd.process_id() == 0:
+            line = {"epoch": epoch, **{k: float(v) for k, v in (logs or {}).items()}}
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(line) + "\n")
+
+
+def main() -> None:
+    directory, state = sys.argv[1], sys.argv[2]
+    kd.initialize()
+    model = build(dropout=os.environ.get("DROPOUT", "1") == "1")
+    x, y = data()
+    checkpoint = kd.Checkpoint(
+        directory,
+        save_freq=2,
+        max_to_keep=None,
+        save_on_background=os.environ.get("BACKGROUND", "1") == "1",
+    )
+    keras.utils.set_random_seed(7)
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=os.environ.get("SHUFFLE", "1") == "1",
+        verbose=0,
+        callbacks=[
+            kd.DistributeCallback(kd.DataParallel()),
+            checkpoint,
+            Fault(checkpoint),
+            EpochLog(os.path.join(state, "epochs.jsonl")),
+        ],
+    )
+    output = (
+        sys.argv[3]
+        if len(sys.argv) > 3
+        else os.path.join(state, f"result-{kd.process_id()}.json")
+    )
+    with open(output, "w") as handle:
+        json.dump(
+            {
+                "weights": [w.tolist() for w in model.get_weights()],
+                "history": history.history,
+            },
+            handle,
+        )
+
+
+if __name__ == "__main__":
+    main()
