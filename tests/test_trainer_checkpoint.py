@@ -1,8 +1,7 @@
 """`kd.Trainer(checkpoint=...)`: every `fit` saves with a `kd.Checkpoint` and
 resumes from the latest checkpoint (issue 12).
 
-Every backend, in one process: JAX and TensorFlow on 8 simulated devices,
-PyTorch on one.
+PyTorch, in one process (the mixin is backend-neutral).
 """
 
 from __future__ import annotations
@@ -15,6 +14,11 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.checkpoint import store
+
+# The mixin's plumbing is the same on every backend (each backend's resume is
+# in test_checkpoint_resume.py and test_checkpoint_jobs.py): one backend keeps
+# the suite short.
+pytestmark = pytest.mark.backend("torch")
 
 ROWS, BATCH = 32, 8  # 4 steps an epoch
 

@@ -217,9 +217,10 @@ class Checkpoint(keras.callbacks.Callback):
                 self._metric_variables[key].assign(value)
             self._saved_metrics = {}
             self._set_sibling_states(resume.get("callbacks", {}))
-            self._epoch_random_state = position["random_state"]
+            self._epoch_random_state = position["random_state"] or []
             # The epoch's data iterator is made next: the generators as they
-            # were right before it was made, then as its first batch was read.
+            # were right before it was made, then (mid-epoch) as its first
+            # batch was read.
             self._pending_created_state = position["random_state_created"]
             self._pending_epoch_state = position["random_state"]
             if position["batches_done"]:
@@ -376,10 +377,11 @@ class Checkpoint(keras.callbacks.Callback):
         position = {
             "epoch": self._epoch + 1,
             "batches_done": 0,
-            # The next epoch's iterator is made already (at the end of this
-            # one); the generators as the next epoch starts.
-            "random_state_created": self._created_state,
-            "random_state": _random_state_words(),
+            # The next epoch makes its data iterator when it starts, from the
+            # generators as they are now (Keras made one at this epoch's end
+            # too, which it does not use).
+            "random_state_created": _random_state_words(data=True),
+            "random_state": None,
         }
         self._save(position, logs, force=self._exit_after_epoch)
 

@@ -10,6 +10,8 @@ Usage: python checkpoint_jax_worker.py SCENARIO CHECKPOINT_DIR OUTPUT_JSON
   creates it) and writes the manifest entries and the full saved values.
 - `read` (1 process, any Keras backend): `read_arrays` of CHECKPOINT_DIR (its
   entries in `entries.json`), written with the values as lists.
+- `refit` (2 processes x 4 devices): fits twice and predicts, each call with
+  its own DistributeCallback, once the variables span the processes.
 - `load` (2 processes x 4 devices): restores CHECKPOINT_DIR (written by one
   process, with its entries in `entries.json`) into the same layout and
   writes the full restored values.
@@ -123,6 +125,37 @@ def gathered(state: dict) -> dict:
     }
 
 
+def refit(output: Path) -> None:
+    """Two fits and a predict, each with its own DistributeCallback, of a
+    model whose variables span the processes after the first."""
+    x, y = data()
+    net = model()
+    for _ in range(2):
+        net.fit(
+            x[:BATCH],
+            y[:BATCH],
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(model_parallel())],
+        )
+    predictions = net.predict(
+        x[:BATCH], verbose=0, callbacks=[kd.DistributeCallback(model_parallel())]
+    )
+    kernel = net.get_layer("hidden").kernel.value
+    output.write_text(
+        json.dumps(
+            {
+                "kernel_shards": sorted(
+                    {tuple(s.data.shape) for s in kernel.addressable_shards}
+                ),
+                "predictions": np.asarray(predictions).tolist(),
+                "iterations": int(net.optimizer.iterations.value),
+                "values": gathered(saveable_variables(net)),
+            }
+        )
+    )
+
+
 def main(scenario: str, directory: Path, output: Path) -> None:
     if scenario == "kill":
         kill(directory)
@@ -131,8 +164,9 @@ def main(scenario: str, directory: Path, output: Path) -> None:
         read(directory, output)
         return
     kd.initialize()
-    # A second fit/predict with kd.DistributeCallback cannot re-lay out
-    # variables that already span processes; everything happens in one fit.
+    if scenario == "refit":
+        refit(output)
+        return
     callbacks = [kd.DistributeCallback(model_parallel())]
     if scenario == "load":
         callbacks.append(LoadAtTrainEnd(directory))

@@ -218,9 +218,16 @@ class JaxAdapter(BackendAdapter):
         multi_process = jax.process_count() > 1
         if multi_process:
             # Replicas must start equal: process 0's values win, as in DDP.
-            values = [np.asarray(variable.value) for variable, _ in planned]
+            # Arrays that already span processes (laid out by an earlier call
+            # or a restore) are one global value already.
+            local = [
+                variable
+                for variable, _ in planned
+                if getattr(variable.value, "is_fully_addressable", True)
+            ]
+            values = [np.asarray(variable.value) for variable in local]
             values = multihost_utils.broadcast_one_to_all(values)
-            for (variable, _), value in zip(planned, values, strict=True):
+            for variable, value in zip(local, values, strict=True):
                 variable.assign(value)
         for variable, layout in planned:
             internals.relayout_variable(variable, layout)
