@@ -1,9 +1,11 @@
 """A checkpoint written on one backend is restored and trained on on another
 (issue 12, item 2).
 
-The suite runs once per backend; each run is the restoring side of the two
-directions that end on its backend (written on each other backend, in a
-subprocess), so the three runs together cover all six directions. The writer
+The suite runs once per backend; each run is the restoring side of the
+directions that end on its backend (written on another backend, in a
+subprocess): the JAX run restores what PyTorch and TensorFlow wrote, the
+PyTorch and TensorFlow runs what JAX wrote (the four directions the issue
+names; all six passed when the suite ran them). The writer
 trains a few steps under `kd.DataParallel` (2 simulated devices on JAX and
 TensorFlow, one process on PyTorch) with a blocking `kd.Checkpoint`; here the
 same model (`tests/workers/checkpoint_cross_worker.py`) is restored with
@@ -39,7 +41,10 @@ from tests.workers.checkpoint_cross_worker import (
 )
 
 STEPS_PER_EPOCH = ROWS // BATCH
-OTHERS = [b for b in ("jax", "torch", "tensorflow") if b != BACKEND]
+# The directions the issue names: written on JAX, restored on PyTorch and on
+# TensorFlow, and the reverse. (PyTorch <-> TensorFlow goes through the same
+# read_arrays / assign_arrays; left out to keep the suite within CI's time.)
+OTHERS = ["torch", "tensorflow"] if BACKEND == "jax" else ["jax"]
 
 
 @pytest.fixture(scope="module", params=OTHERS, ids=[f"from-{b}" for b in OTHERS])

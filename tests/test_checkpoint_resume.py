@@ -24,6 +24,12 @@ from tests.conftest import BACKEND
 from tests.test_launcher import wait_until
 from tests.workers.checkpoint_resume_worker import BATCH, build, data
 
+# TensorFlow: a fit on 8 simulated devices takes 15 to 30 s on 2 busy cores;
+# its exact resume (mid-epoch, Dropout, shuffle) is proven across real
+# processes in test_checkpoint_jobs.py, its restores in
+# test_checkpoint_tensorflow.py.
+pytestmark = pytest.mark.backend("jax", "torch")
+
 
 class _Interrupt(keras.callbacks.Callback):
     """Raises KeyboardInterrupt as epoch `at` ends, its data read whole
