@@ -143,15 +143,13 @@ def prune(directory: str, keep: int, *, protect: int | None = None) -> list[int]
         for name in os.listdir(directory):
             # Left by processes killed outright: unfinished saves, torn
             # removals, a replaced step of a commit cut short.
-            match = _TEMPORARY.match(name) or _STEP.match(
-                name.removesuffix(".replaced")
+            replaced = name.endswith(".replaced")
+            match = _TEMPORARY.match(name) or _STEP.match(name)
+            older = match is not None and int(match.group(1)) < newest
+            unfinished = name.startswith(".") or (
+                match is not None and int(match.group(1)) not in steps
             )
-            if (
-                match
-                and int(match.group(1)) < newest
-                and (name.startswith(".") or int(match.group(1)) not in steps)
-                or name.endswith(".replaced")
-            ):
+            if replaced or (older and unfinished):
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     return removed
 
