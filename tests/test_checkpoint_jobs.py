@@ -6,10 +6,10 @@
   agreed step and exits 75), restarts again and ends with the weights and the
   per-epoch logs of an uninterrupted job (Dropout, BatchNormalization, Adam,
   `shuffle=True`, 45 rows in batches of 8).
-- World size (JAX, PyTorch): a checkpoint written by 1 process resumes in 2,
-  and one written by 2 resumes in 1 (JAX: 8 devices in one process, 2 x 2
-  devices in two), ending as the uninterrupted run (no Dropout: its masks
-  depend on how the batch is split).
+- World size: a checkpoint written by 1 process resumes in 2, and one written
+  by 2 resumes in 1 (JAX, TensorFlow: 8 devices in one process, 2 x 2 devices
+  in two), ending as the uninterrupted run (no Dropout: its masks depend on
+  how the batch is split).
 - SIGTERM to `keras-dist launch` (PyTorch: the same code on every backend):
   every rank saves at one step within `--grace-period`; SIGUSR1 to a lone
   process saves and exits 75.
@@ -163,13 +163,9 @@ def _copy_until(source, target, last_step: int) -> None:
             )
 
 
-# TensorFlow: a checkpoint of 4 replicas restored on 1 device and a 2-worker
-# one restored in 1 process are in test_checkpoint_tensorflow.py; a
-# multi-worker job shuffles in an order of keras_dist's own that depends on
-# the worker count (README), so a shuffled fit continues exactly on the same
-# count only.
-@pytest.mark.backend("jax", "torch")
 def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path):
+    """Shuffled (seeded) data: the global batches are a function of the seed
+    and the epoch only, so the order continues exactly on another count."""
     one = _fit_here(tmp_path / "one")
 
     # 1 process -> 2: resume mid-epoch 1 (step 8) in a 2-process job.

@@ -213,6 +213,53 @@ def test_save_best_only_saves_when_the_monitored_value_improves(tmp_path):
     assert store.complete_steps(str(directory)) == [6 * (i + 1) for i in improved]
 
 
+@pytest.mark.backend("torch")  # the callback's own logic, the same everywhere
+def test_save_best_only_with_a_step_frequency_checks_every_save_freq_steps(tmp_path):
+    """As Keras' ModelCheckpoint: a check every `save_freq` steps, whether or
+    not it saved; a check that finds no improvement is not retried at the
+    next step."""
+    directory = tmp_path / "ck"
+    model = build(dropout=False)
+    x, y = data()
+    # The monitored value after each global step (1-based); checks at 2, 4, 6.
+    score = {1: 9.0, 2: 5.0, 3: 9.0, 4: 6.0, 5: 4.0, 6: 3.0}
+
+    class Score(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.step = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.step += 1
+            logs["score"] = score.get(self.step, 99.0)
+
+        def on_epoch_end(self, epoch, logs=None):
+            logs["score"] = 99.0
+
+    model.fit(
+        np.concatenate([x, x])[:80],  # 10 batches: the checks are mid-epoch
+        np.concatenate([y, y])[:80],
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            kd.DistributeCallback(kd.DataParallel()),
+            Score(),
+            kd.Checkpoint(
+                directory,
+                save_freq=2,
+                monitor="score",
+                mode="min",
+                save_best_only=True,
+                max_to_keep=None,
+            ),
+        ],
+    )
+    # Step 4 (6.0) does not improve on 5.0; step 5 (4.0) is not a check.
+    assert store.complete_steps(str(directory)) == [2, 6]
+
+
 def test_export_writes_one_file_plain_keras_loads(uninterrupted, tmp_path):
     model = build(dropout=True)
     kd.restore(model, uninterrupted["directory"])

@@ -179,6 +179,9 @@ class Checkpoint(keras.callbacks.Callback):
         self._training = True
         self._global_step = 0
         self._last_saved_step = 0
+        # An int `save_freq` counts from the last check, saved or not (as
+        # Keras' ModelCheckpoint does with `save_best_only`).
+        self._last_checked_step = 0
         self._batches_done = 0
         self._epoch = 0
         self._epoch_start_step = 0
@@ -282,8 +285,9 @@ class Checkpoint(keras.callbacks.Callback):
         self._global_step = self._epoch_start_step + self._batches_done
         if (
             isinstance(self.save_freq, int)
-            and self._global_step - self._last_saved_step >= self.save_freq
+            and self._global_step - self._last_checked_step >= self.save_freq
         ):
+            self._last_checked_step = self._global_step
             if self._batches_done == (self.params or {}).get("steps"):
                 self._due_at_epoch_start = (self._global_step, {})
             else:
@@ -349,6 +353,7 @@ class Checkpoint(keras.callbacks.Callback):
         position = manifest["position"]
         set_initial_epoch(self.model, position["epoch"])
         self._global_step = self._last_saved_step = int(manifest["step"])
+        self._last_checked_step = self._global_step
         self.best = manifest.get("best", self.best)
         self._resume = manifest
         if self._rank == 0:

@@ -83,6 +83,8 @@ class TensorFlowAdapter(BackendAdapter):
         self._multi_worker: Any = None
         self._worker_index = 0
         self._num_workers = 1
+        # Multi-worker with process 0's TF seed: Keras' own shuffled pipeline.
+        self._keras_order = False
 
     def simulate_cpu_devices(self, count: int) -> None:
         cpus = tf.config.list_physical_devices("CPU")
@@ -284,9 +286,39 @@ class TensorFlowAdapter(BackendAdapter):
         from `shuffle_stream` (seeded by process 0), so that every process
         reads the same batches in the same order.
         """
-        if shuffle_stream is not None and internals.keras_shuffles(data_adapter):
+        if (
+            shuffle_stream is not None
+            and internals.keras_shuffles(data_adapter)
+            and not (self._keras_order and internals.shuffles_in_tf(data_adapter))
+        ):
             return inputs.numpy_batches_dataset(data_adapter, shuffle_stream)
         return data_adapter.get_tf_dataset()
+
+    def _take_process_zero_tf_seed(self, strategy: Any) -> bool:
+        """Every process takes process 0's TensorFlow global seed.
+
+        Keras shuffles arrays with `tf.random.shuffle` inside its own
+        `tf.data` pipeline, whose seed comes from TensorFlow's global seed
+        (`keras.utils.set_random_seed`). With process 0's seed every worker
+        builds Keras' own pipeline and draws the order plain Keras draws on
+        one device: a function of the seed only, whatever the worker count.
+        Returns whether process 0 has a global seed.
+        """
+        seed = internals.tf_global_seed() if self._worker_index == 0 else None
+        # 0: process 0 has none; seeds travel as seed + 1.
+        mine = 0 if seed is None else seed + 1
+
+        def value(context: Any) -> Any:
+            first = context.replica_id_in_sync_group == 0
+            return tf.constant(mine if first else 0, tf.int64)
+
+        per_replica = strategy.experimental_distribute_values_from_function(value)
+        shared = int(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, None))
+        if shared == 0:
+            return False
+        if internals.tf_global_seed() != shared - 1:
+            tf.random.set_seed(shared - 1)
+        return True
 
     def shuffle_stream(self, strategy: Any) -> np.random.RandomState | None:
         """NumPy stream for Keras' shuffling, seeded alike on every process."""
@@ -360,6 +392,9 @@ class TensorFlowAdapter(BackendAdapter):
         internals.attach_strategy(model, strategy)
         self._on_deactivate(model, internals.build_optimizer_in_scope(model, strategy))
         shuffle_stream = self._shuffle_stream = self.shuffle_stream(strategy)
+        self._keras_order = self._multi_worker is not None and (
+            self._take_process_zero_tf_seed(strategy)
+        )
         unchecked = [self._multi_worker is not None]
         unprepared = [True]
 

@@ -21,6 +21,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 from tensorflow.python.checkpoint import async_checkpoint_helper
+from tensorflow.python.eager import context as tf_context
 
 from keras_dist._keras_compat import (
     EpochRouting,
@@ -88,6 +89,8 @@ def check() -> list[str]:
     for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
         if not hasattr(loss_module, name):
             missing.append(f"keras.src.losses.loss.{name}")
+    if not callable(getattr(tf_context, "global_seed", None)):
+        missing.append("tensorflow.python.eager.context.global_seed")
     return missing
 
 
@@ -105,6 +108,18 @@ def reads_again(data_adapter: Any) -> bool:
     """Whether the adapter's input can be read once more (not a one-shot
     Python generator) to compare its first batch between processes."""
     return type(data_adapter).__name__ != "GeneratorDataAdapter"
+
+
+def shuffles_in_tf(data_adapter: Any) -> bool:
+    """Whether Keras shuffles this input with TensorFlow ops seeded from
+    TensorFlow's global seed (arrays), not with Python's `random` (PyDataset)."""
+    return isinstance(data_adapter, ArrayDataAdapter)
+
+
+def tf_global_seed() -> int | None:
+    """TensorFlow's global seed (`tf.random.set_seed`), None when unset; read
+    without drawing an operation seed (`tf.compat.v1.get_seed` would)."""
+    return tf_context.global_seed()
 
 
 def keras_shuffles(data_adapter: Any) -> bool:
