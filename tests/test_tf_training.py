@@ -370,3 +370,44 @@ def test_strategies_over_different_devices_and_the_users_own_share_a_process():
     users_own = tf.distribute.MirroredStrategy(devices=["/cpu:0", "/cpu:1"])
     np.testing.assert_allclose(train(strategy=users_own), expected, atol=1e-6)
     np.testing.assert_allclose(train(kd.list_devices()[:4]), expected, atol=1e-6)
+
+
+def test_each_epochs_iterator_is_destroyed_off_the_training_thread(monkeypatch):
+    """Destroying a distributed iterator can wait seconds to a minute for
+    `tf.data`'s autotuning threads (TensorFlow 2.21); keras_dist drops each
+    epoch's iterator on its reaper thread, so that wait never falls between
+    two epochs on the thread that trains."""
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+    import weakref  # noqa: PLC0415
+
+    from keras_dist.backends.tensorflow.iterator_reaper import REAPER  # noqa: PLC0415
+
+    destroyed_on: list[str] = []
+    made = []
+    adopt = REAPER.adopt
+
+    def watched_adopt(iterator):
+        made.append(1)
+        weakref.finalize(
+            iterator, lambda: destroyed_on.append(threading.current_thread().name)
+        )
+        return adopt(iterator)
+
+    monkeypatch.setattr(REAPER, "adopt", watched_adopt)
+    x, y = parity.data()
+    model = parity.sequential()
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=3,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(_distribution())],
+    )
+    assert len(made) >= 3  # one iterator an epoch (Keras makes one more)
+    deadline = time.monotonic() + 240  # a destruction can take over a minute
+    while len(destroyed_on) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(destroyed_on) >= 2, destroyed_on
+    assert set(destroyed_on) == {"keras_dist-tf-iterator-reaper"}, destroyed_on

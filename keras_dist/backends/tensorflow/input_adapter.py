@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist._keras_compat import numpy_random_stream
+from keras_dist.backends.tensorflow.iterator_reaper import REAPER
 
 #: Keys of the elements the replicas receive.
 DATA, MASK, SCALE = "data", "mask", "scale"
@@ -123,4 +124,18 @@ def distributed_batches(
             worker_index=worker_index,
         )
 
-    return strategy.distribute_datasets_from_function(dataset_fn)
+    return _Reaped(strategy.distribute_datasets_from_function(dataset_fn))
+
+
+class _Reaped:
+    """A distributed dataset whose iterators are destroyed off the training
+    thread once Keras drops them (see `iterator_reaper`)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self._dataset = dataset
+
+    def __iter__(self) -> Any:
+        return REAPER.adopt(iter(self._dataset))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dataset, name)
