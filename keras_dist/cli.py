@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 
 
 def _devices(arguments: argparse.Namespace) -> int:
@@ -26,6 +27,113 @@ def _devices(arguments: argparse.Namespace) -> int:
         for key, value in report.items():
             print(f"{key}: {value}")
     return 0
+
+
+def _env(arguments: argparse.Namespace) -> int:
+    """`keras-dist env`: which cluster environment `keras_dist.initialize()`
+    detects here, from which variables, and the job it would join."""
+    from keras_dist import cluster, runtime  # noqa: PLC0415
+
+    overrides = {
+        name: cluster.environment_value(name)
+        for name in (
+            runtime.JOB_ADDRESSES_VARIABLE,
+            runtime.NUM_PROCESSES_VARIABLE,
+            runtime.PROCESS_ID_VARIABLE,
+        )
+    }
+    report: dict[str, object] = {
+        "overrides": overrides,
+        "tried": cluster.explain_detection(),
+        "detected": None,
+        "cluster": None,
+        "job": None,
+    }
+    error = None
+    try:
+        detected = cluster.detect_cluster()
+        if detected is not None:
+            report["detected"] = type(detected).__name__
+            report["cluster"] = {
+                "coordinator": detected.coordinator_address(),
+                "num_processes": detected.num_processes(),
+                "num_processes_from": detected.num_processes_source,
+                "process_id": detected.process_id(),
+                "process_id_from": detected.process_id_source,
+                "local_process_id": detected.local_process_id(),
+            }
+        coordinator, count, rank = runtime.resolve_cluster()
+        report["job"] = {
+            "coordinator": coordinator,
+            "num_processes": count,
+            "process_id": rank,
+        }
+    except (TypeError, ValueError) as problem:
+        error = str(problem)
+        report["error"] = error
+    if arguments.json:
+        print(json.dumps(report))
+    else:
+        print(_describe_env(report))
+    if error is not None:
+        print(f"keras-dist env: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _describe_env(report: dict) -> str:
+    lines = ["Cluster environments, in the order keras_dist.initialize() tries them:"]
+    for number, entry in enumerate(report["tried"], start=1):
+        variables = ", ".join(f"{k}={v!r}" for k, v in entry["set"].items())
+        if entry["chosen"]:
+            state = "DETECTED"
+        elif entry["detected"]:
+            state = "detected too, not used (an earlier one wins)"
+        else:
+            state = "not detected"
+        lines.append(f"  {number}. {entry['name']}: {state}")
+        if entry["detected"] or variables or not entry["reads"]:
+            lines += textwrap.wrap(
+                entry["summary"], 79, initial_indent="     ", subsequent_indent="     "
+            )
+        if entry["reads"]:
+            lines.append(f"     reads: {', '.join(entry['reads'])}")
+        if variables:
+            lines.append(f"     set: {variables}")
+    cluster_values = report["cluster"]
+    if report["detected"] is None:
+        lines.append(
+            "No cluster environment detected: without KERAS_DISTRIBUTION_* "
+            "variables this process runs alone (on JAX, jax.distributed's own "
+            "detection is tried first: Cloud TPU, GKE, Open MPI...)."
+        )
+    elif cluster_values is not None:
+        lines += [
+            f"Detected: {report['detected']}",
+            f"  coordinator: {cluster_values['coordinator']}",
+            f"  num_processes: {cluster_values['num_processes']} "
+            f"(from {cluster_values['num_processes_from']})",
+            f"  process_id: {cluster_values['process_id']} "
+            f"(from {cluster_values['process_id_from']})",
+            f"  local_process_id: {cluster_values['local_process_id']}",
+        ]
+    overrides = {k: v for k, v in report["overrides"].items() if v is not None}
+    if overrides:
+        lines.append(
+            "Overrides (win over the cluster): "
+            + ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+        )
+    else:
+        lines.append("Overrides (KERAS_DISTRIBUTION_*): none set")
+    job = report["job"]
+    if job is not None:
+        coordinator = job["coordinator"] or "none (one process)"
+        lines.append(
+            f"Job keras_dist.initialize() joins: {job['num_processes']} "
+            f"process(es), this one is process {job['process_id']}, "
+            f"coordinator {coordinator}"
+        )
+    return "\n".join(lines)
 
 
 def _launch(arguments: argparse.Namespace) -> int:
@@ -60,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     devices.add_argument("--json", action="store_true", help="one JSON object")
     devices.set_defaults(handler=_devices)
+    env = commands.add_parser(
+        "env",
+        help="print which cluster environment keras_dist.initialize() detects, "
+        "from which variables, and the job it would join",
+    )
+    env.add_argument("--json", action="store_true", help="one JSON object")
+    env.set_defaults(handler=_env)
     launch = commands.add_parser(
         "launch",
         help="run a script as one job of several processes",

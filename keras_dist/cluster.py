@@ -11,10 +11,24 @@
    - `TorchrunEnvironment`: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
      `MASTER_PORT` (and `LOCAL_RANK`), set by torchrun and most launchers
      that imitate it;
-   - `SlurmEnvironment`: `SLURM_PROCID`, `SLURM_NTASKS` and the node list of
-     an `srun` task;
+   - `SlurmEnvironment`: `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` (else
+     `SLURM_NTASKS`) and the node list of an `srun` task;
+   - `JaxEnvironment`: `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
+     `JAX_PROCESS_ID` (Kubeflow Trainer's JAX runtime);
+   - `KubeflowTorchEnvironment`: torchrun's `PET_NNODES`, `PET_NODE_RANK`,
+     `PET_MASTER_ADDR`, `PET_MASTER_PORT` without torchrun (Kubeflow
+     Trainer's torch runtime, one process per pod);
+   - `JobSetEnvironment`: JobSet's coordinator, global-replicas and
+     job-global-index annotations, projected into `JOBSET_*` variables;
    - `TFConfigEnvironment`: the `TF_CONFIG` JSON of TensorFlow clusters
      (Kubeflow TFJob, Vertex AI).
+
+`RayEnvironment` (a Ray Train worker started by `keras_dist_ray.KerasTrainer`)
+is asked before all of them: its signal is a live Ray Train worker context in
+this very process, while the others' variables may be inherited by every Ray
+worker from the environment its Ray node was started in (`srun ray start`
+puts `SLURM_PROCID` into every worker) or set by another Ray trainer
+(Ray's `TorchTrainer` sets `RANK` and `MASTER_ADDR`).
 
 Levels 1 and 2 fill the three values one by one, and a value they give wins
 over the cluster's even when the two disagree: `KERAS_DISTRIBUTION_NUM_PROCESSES=2`
@@ -24,8 +38,13 @@ cluster is only consulted for what levels 1 and 2 leave open.
 
 torchrun comes before SLURM because `srun torchrun ...` sets both, and then
 torchrun's `RANK`/`WORLD_SIZE` describe the training processes while the SLURM
-variables describe the torchrun launchers. `TF_CONFIG` comes last: it is the
-least specific, and stale copies of it are common in notebooks.
+variables describe the torchrun launchers. The Kubernetes ones follow SLURM
+(a pod is no SLURM task, and a SLURM task that inherited Kubernetes variables
+is one): the JAX runtime's `JAX_*` name the job outright; `PET_*` come after
+torchrun, whose processes inherit them from their torchrun; JobSet's
+annotations come after both, because a Kubeflow TrainJob is itself a JobSet
+and its runtime's variables are the specific ones. `TF_CONFIG` comes last: it
+is the least specific, and stale copies of it are common in notebooks.
 
 Variables that are present but incomplete or inconsistent are an error naming
 them and their values, never a silent single-process run.
@@ -38,13 +57,35 @@ import itertools
 import json
 import os
 import re
+import sys
 
 DEFAULT_SLURM_COORDINATOR_PORT = 12355
 SLURM_COORDINATOR_PORT_VARIABLE = "KERAS_DIST_COORDINATOR_PORT"
+#: Set on every Ray Train worker by `keras_dist_ray`'s backend: `host:port` of
+#: the coordinator, on the node of the worker of world rank 0.
+RAY_COORDINATOR_VARIABLE = "KERAS_DIST_RAY_COORDINATOR_ADDRESS"
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _SLURM_NODELIST_VARIABLES = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
+# The step's task count first: `srun --preserve-env` keeps the allocation's.
+_SLURM_TASK_COUNT_VARIABLES = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
 _TF_CONFIG_TASK_TYPES = ("chief", "worker")
+#: What Kubeflow Trainer's JAX runtime (`jax-distributed`) sets on every pod.
+_JAX_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+#: torchrun's `PET_*` defaults, which Kubeflow Trainer's torch runtime
+#: (`torch-distributed`) sets on every pod.
+_PET_VARIABLES = ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+PET_NPROC_PER_NODE_VARIABLE = "PET_NPROC_PER_NODE"
+#: JobSet's pod annotations `jobset.sigs.k8s.io/coordinator`, `.../global-replicas`
+#: and `.../job-global-index`, as a manifest projects them into the environment
+#: with the Downward API (`integrations/kubernetes/jobset.yaml`).
+_JOBSET_VARIABLES = (
+    "JOBSET_COORDINATOR",
+    "JOBSET_GLOBAL_REPLICAS",
+    "JOBSET_JOB_GLOBAL_INDEX",
+)
+#: Set by Kubernetes in every pod of an Indexed Job: the pod's index in its Job.
+JOB_COMPLETION_INDEX_VARIABLE = "JOB_COMPLETION_INDEX"
 
 #: Every variable a cluster environment reads (tests clear them).
 ENVIRONMENT_VARIABLES = (
@@ -56,6 +97,14 @@ ENVIRONMENT_VARIABLES = (
     *_SLURM_NODELIST_VARIABLES,
     SLURM_COORDINATOR_PORT_VARIABLE,
     "TF_CONFIG",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_NODEID",
+    *_JAX_VARIABLES,
+    *_PET_VARIABLES,
+    PET_NPROC_PER_NODE_VARIABLE,
+    *_JOBSET_VARIABLES,
+    JOB_COMPLETION_INDEX_VARIABLE,
+    RAY_COORDINATOR_VARIABLE,
 )
 
 
@@ -223,6 +272,8 @@ class ClusterEnvironment(abc.ABC):
     #: The variables the process count and rank come from, for messages.
     num_processes_source: str = ""
     process_id_source: str = ""
+    #: Every variable this environment reads (`keras-dist env` shows them).
+    variables: tuple[str, ...] = ()
 
     @staticmethod
     @abc.abstractmethod
@@ -256,6 +307,7 @@ class TorchrunEnvironment(ClusterEnvironment):
 
     num_processes_source = "WORLD_SIZE"
     process_id_source = "RANK"
+    variables = (*_TORCHRUN_VARIABLES, "LOCAL_RANK")
 
     @staticmethod
     def detect() -> bool:
@@ -304,10 +356,14 @@ class TorchrunEnvironment(ClusterEnvironment):
 class SlurmEnvironment(ClusterEnvironment):
     """A task started by `srun` (directly or from an `sbatch` script).
 
-    Detected when both `SLURM_PROCID` and `SLURM_NTASKS` are set: an `salloc`
-    shell has only the second and an `sbatch` script without `--ntasks` only
-    the first, and both are single processes. The coordinator is the first
-    host of `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`) on port
+    Detected when `SLURM_PROCID` and a task count (`SLURM_STEP_NUM_TASKS` or
+    `SLURM_NTASKS`) are set: an `salloc` shell has only `SLURM_NTASKS` and an
+    `sbatch` script without `--ntasks` only `SLURM_PROCID`, and both are
+    single processes. The process count is the step's,
+    `SLURM_STEP_NUM_TASKS`, which `srun` always sets, else `SLURM_NTASKS`:
+    `srun --preserve-env` (`-E`) keeps the allocation's `SLURM_NTASKS` (or
+    none, for an allocation made without `--ntasks`). The coordinator is the
+    first host of `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`) on port
     `KERAS_DIST_COORDINATOR_PORT`, default 12355. The port is fixed because
     every task must compute the same address without talking to the others;
     set `KERAS_DIST_COORDINATOR_PORT` when two jobs share that host or the
@@ -319,12 +375,30 @@ class SlurmEnvironment(ClusterEnvironment):
     `KERAS_DISTRIBUTION_NUM_PROCESSES=1` to run such a script alone.
     """
 
-    num_processes_source = "SLURM_NTASKS"
     process_id_source = "SLURM_PROCID"
+    variables = (
+        "SLURM_PROCID",
+        "SLURM_STEP_NUM_TASKS",
+        "SLURM_NTASKS",
+        "SLURM_LOCALID",
+        "SLURM_NODEID",
+        *_SLURM_NODELIST_VARIABLES,
+        SLURM_COORDINATOR_PORT_VARIABLE,
+    )
 
     @staticmethod
     def detect() -> bool:
-        return all(environment_value(name) for name in ("SLURM_PROCID", "SLURM_NTASKS"))
+        return environment_value("SLURM_PROCID") is not None and any(
+            environment_value(name) for name in _SLURM_TASK_COUNT_VARIABLES
+        )
+
+    @property
+    def num_processes_source(self) -> str:
+        """The variable the process count comes from."""
+        for name in _SLURM_TASK_COUNT_VARIABLES:
+            if environment_value(name) is not None:
+                return name
+        return "SLURM_NTASKS"
 
     def coordinator_address(self) -> str:
         for variable in _SLURM_NODELIST_VARIABLES:
@@ -348,18 +422,25 @@ class SlurmEnvironment(ClusterEnvironment):
         return join_address(host, port)
 
     def num_processes(self) -> int:
-        return _positive("SLURM_NTASKS", environment_int("SLURM_NTASKS"))
+        name = self.num_processes_source
+        return _positive(name, environment_int(name))
 
     def process_id(self) -> int:
         return _rank_in_range(
             "SLURM_PROCID",
             environment_int("SLURM_PROCID"),
-            "SLURM_NTASKS",
+            self.num_processes_source,
             self.num_processes(),
         )
 
     def local_process_id(self) -> int | None:
-        return environment_int("SLURM_LOCALID")
+        local_id = environment_int("SLURM_LOCALID")
+        if local_id is not None and local_id < 0:
+            raise ValueError(
+                "SLURM_LOCALID must not be negative. Received: "
+                f"SLURM_LOCALID={local_id}"
+            )
+        return local_id
 
 
 class TFConfigEnvironment(ClusterEnvironment):
@@ -375,6 +456,7 @@ class TFConfigEnvironment(ClusterEnvironment):
 
     num_processes_source = "TF_CONFIG"
     process_id_source = "TF_CONFIG"
+    variables = ("TF_CONFIG",)
 
     @staticmethod
     def detect() -> bool:
@@ -455,10 +537,317 @@ class TFConfigEnvironment(ClusterEnvironment):
         return index if task_type == "chief" else len(lists["chief"]) + index
 
 
+def _ray_train_context() -> object | None:
+    """Ray Train's worker context when this process runs a Ray Train training
+    function, else None. Never imports ray: a process that has not imported
+    `ray.train` runs no training function of it."""
+    train = sys.modules.get("ray.train")
+    if train is None:
+        return None
+    try:
+        context = train.get_context()
+        context.get_world_size()
+    except Exception:  # noqa: BLE001
+        # Ray raises RuntimeError outside a training function (the driver, a
+        # task, an actor), DeprecationWarning in a Ray Tune function trainable;
+        # either way this process is no Ray Train worker.
+        return None
+    return context
+
+
+class RayEnvironment(ClusterEnvironment):
+    """A worker of a Ray Train worker group started by
+    `keras_dist_ray.KerasTrainer` (`integrations/ray`).
+
+    The process count and the rank are the world size and world rank of Ray
+    Train's worker context (`ray.train.get_context()`); the coordinator is
+    `KERAS_DIST_RAY_COORDINATOR_ADDRESS`, which the trainer's backend sets on
+    every worker before the training function runs: the IP of the node of
+    the worker of world rank 0 and a port that was free there. A restarted
+    worker group (Ray's `FailureConfig`) gets a new address.
+
+    Detected when `ray.train` is imported and this process runs a Ray Train
+    training function, either started by `KerasTrainer` (the variable is set)
+    or in a group of several workers; keras_dist never imports ray itself. A
+    group of several workers started by another trainer is an error naming
+    `KerasTrainer`: Ray's `TorchTrainer` and `TensorflowTrainer` form the
+    framework's job themselves, which `keras_dist.initialize()` does.
+    """
+
+    num_processes_source = "Ray Train's world size"
+    process_id_source = "Ray Train's world rank"
+    # The rank and size are no variables: Ray Train's context holds them.
+    variables = (RAY_COORDINATOR_VARIABLE,)
+
+    @staticmethod
+    def detect() -> bool:
+        context = _ray_train_context()
+        if context is None:
+            return False
+        if environment_value(RAY_COORDINATOR_VARIABLE) is not None:
+            return True
+        return context.get_world_size() > 1
+
+    def _context(self) -> object:
+        context = _ray_train_context()
+        if context is None:
+            raise ValueError(
+                "RayEnvironment reads Ray Train's worker context, and this "
+                "process runs no Ray Train training function. Received: "
+                f"{RAY_COORDINATOR_VARIABLE}="
+                f"{os.environ.get(RAY_COORDINATOR_VARIABLE)!r}"
+            )
+        return context
+
+    def coordinator_address(self) -> str:
+        address = environment_value(RAY_COORDINATOR_VARIABLE)
+        if address is None:
+            context = self._context()
+            raise ValueError(
+                f"This process is worker {context.get_world_rank()} of a Ray "
+                f"Train worker group of {context.get_world_size()}, but "
+                f"{RAY_COORDINATOR_VARIABLE} is not set: the group was not "
+                "started by keras_dist_ray.KerasTrainer, whose backend gives "
+                "every worker the coordinator's address. Start the training "
+                "function with keras_dist_ray.KerasTrainer(train_fn, "
+                "scaling_config=...) instead of Ray's framework trainers "
+                "(TorchTrainer forms the torch.distributed job that "
+                "keras_dist.initialize() forms), or pass `job_addresses`, "
+                "`num_processes` and `process_id` to keras_dist.initialize()."
+            )
+        try:
+            split_address(address)
+        except ValueError:
+            raise ValueError(
+                f"{RAY_COORDINATOR_VARIABLE} must be 'host:port'. Received: "
+                f"{RAY_COORDINATOR_VARIABLE}={address!r}"
+            ) from None
+        return address
+
+    def num_processes(self) -> int:
+        return _positive("Ray Train's world size", self._context().get_world_size())
+
+    def process_id(self) -> int:
+        context = self._context()
+        return _rank_in_range(
+            "Ray Train's world rank",
+            context.get_world_rank(),
+            "Ray Train's world size",
+            context.get_world_size(),
+        )
+
+    def local_process_id(self) -> int | None:
+        return self._context().get_local_rank()
+
+
+def _require_all(kind: str, names: tuple[str, ...]) -> None:
+    """Raise a ValueError naming the missing ones when not all of `names` are
+    set, with the values of those that are."""
+    missing = [name for name in names if environment_value(name) is None]
+    if missing:
+        present = ", ".join(
+            f"{name}={os.environ[name]!r}" for name in names if name not in missing
+        )
+        raise ValueError(
+            f"{kind} variables are incomplete: {', '.join(names)} must all be "
+            f"set, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+            f"missing. Received: {present or 'none of them'}"
+        )
+
+
+class JaxEnvironment(ClusterEnvironment):
+    """`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID`:
+    what Kubeflow Trainer's JAX runtime (`jax-distributed`, `mlPolicy.jax`)
+    sets on every pod of a TrainJob (`<trainjob>-node-0-0.<trainjob>:29500`,
+    the node count, the pod's Job completion index).
+
+    Detected when `JAX_NUM_PROCESSES` or `JAX_PROCESS_ID` is set; then all
+    three must be. `JAX_COORDINATOR_ADDRESS` alone is left to JAX's own
+    cluster detection (`jax.distributed.initialize()`, which reads it), as
+    before. Backend-neutral: a PyTorch or TensorFlow script in such a pod
+    joins its job the same way.
+    """
+
+    num_processes_source = "JAX_NUM_PROCESSES"
+    process_id_source = "JAX_PROCESS_ID"
+    variables = _JAX_VARIABLES
+
+    @staticmethod
+    def detect() -> bool:
+        return any(
+            environment_value(name) for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+        )
+
+    def coordinator_address(self) -> str:
+        _require_all("JAX job", _JAX_VARIABLES)
+        address = environment_value("JAX_COORDINATOR_ADDRESS")
+        try:
+            split_address(address)
+        except ValueError:
+            raise ValueError(
+                "JAX_COORDINATOR_ADDRESS must be 'host:port'. Received: "
+                f"JAX_COORDINATOR_ADDRESS={address!r}"
+            ) from None
+        return address
+
+    def num_processes(self) -> int:
+        _require_all("JAX job", _JAX_VARIABLES)
+        return _positive("JAX_NUM_PROCESSES", environment_int("JAX_NUM_PROCESSES"))
+
+    def process_id(self) -> int:
+        _require_all("JAX job", _JAX_VARIABLES)
+        return _rank_in_range(
+            "JAX_PROCESS_ID",
+            environment_int("JAX_PROCESS_ID"),
+            "JAX_NUM_PROCESSES",
+            self.num_processes(),
+        )
+
+
+class KubeflowTorchEnvironment(ClusterEnvironment):
+    """torchrun's `PET_*` defaults without torchrun: what Kubeflow Trainer's
+    torch runtime (`torch-distributed`, `mlPolicy.torch`) sets on every pod
+    of a TrainJob, for a script started directly (`python train.py`).
+
+    `PET_NNODES` pods, each one process: the rank is `PET_NODE_RANK` (the
+    pod's Job completion index) and the coordinator `PET_MASTER_ADDR:
+    PET_MASTER_PORT` (`<trainjob>-node-0-0.<trainjob>:29500`). Detected when
+    `PET_NNODES` or `PET_NODE_RANK` is set; then all four must be, and
+    `PET_NPROC_PER_NODE` must be 1 (or unset): more processes per pod need a
+    launcher, `torchrun` (which reads the `PET_*` variables and sets `RANK`,
+    detected first) or `keras-dist launch`.
+    """
+
+    num_processes_source = "PET_NNODES"
+    process_id_source = "PET_NODE_RANK"
+    variables = (*_PET_VARIABLES, PET_NPROC_PER_NODE_VARIABLE)
+
+    @staticmethod
+    def detect() -> bool:
+        return any(environment_value(name) for name in ("PET_NNODES", "PET_NODE_RANK"))
+
+    def _check(self) -> None:
+        _require_all("Kubeflow torch runtime (PET_*)", _PET_VARIABLES)
+        per_node = environment_value(PET_NPROC_PER_NODE_VARIABLE)
+        if per_node not in (None, "1"):
+            raise ValueError(
+                f"{PET_NPROC_PER_NODE_VARIABLE}={per_node!r} asks for that many "
+                "processes per pod (Kubeflow's torch runtime sets it from the "
+                "TrainJob's `trainer.numProcPerNode`, else from the pod's GPUs or "
+                "CPUs), but this script was started directly, as one process. "
+                "Set `numProcPerNode: 1` in the TrainJob's trainer, or start the "
+                "script with torchrun (it reads the PET_* variables) or with "
+                f"`keras-dist launch --nproc-per-node N`. Received: "
+                f"{PET_NPROC_PER_NODE_VARIABLE}={per_node!r}, "
+                f"PET_NNODES={os.environ.get('PET_NNODES')!r}"
+            )
+
+    def coordinator_address(self) -> str:
+        self._check()
+        host = environment_value("PET_MASTER_ADDR")
+        port = _port("PET_MASTER_PORT", environment_value("PET_MASTER_PORT"))
+        return join_address(host, port)
+
+    def num_processes(self) -> int:
+        self._check()
+        return _positive("PET_NNODES", environment_int("PET_NNODES"))
+
+    def process_id(self) -> int:
+        self._check()
+        return _rank_in_range(
+            "PET_NODE_RANK",
+            environment_int("PET_NODE_RANK"),
+            "PET_NNODES",
+            self.num_processes(),
+        )
+
+
+class JobSetEnvironment(ClusterEnvironment):
+    """A pod of a JobSet (`jobset.x-k8s.io`) whose replicated jobs run one pod
+    per Job, told about its job by JobSet's own pod annotations, projected
+    into the environment with the Downward API (`fieldRef:
+    metadata.annotations['jobset.sigs.k8s.io/...']`, see
+    `integrations/kubernetes/jobset.yaml`):
+
+    - `JOBSET_COORDINATOR`: `jobset.sigs.k8s.io/coordinator`, the stable host
+      name `<jobset>-<replicated job>-<job index>-<pod index>.<subdomain>`
+      JobSet gives the pod named by the JobSet's `spec.coordinator`;
+    - `JOBSET_GLOBAL_REPLICAS`: `jobset.sigs.k8s.io/global-replicas`, the
+      Jobs of all replicated jobs (the process count);
+    - `JOBSET_JOB_GLOBAL_INDEX`: `jobset.sigs.k8s.io/job-global-index`, this
+      Job's index across them (the rank).
+
+    The port is `KERAS_DIST_COORDINATOR_PORT` (default 12355), as on SLURM.
+    Detected when `JOBSET_COORDINATOR` or `JOBSET_JOB_GLOBAL_INDEX` is set;
+    then all three must be. A pod whose `JOB_COMPLETION_INDEX` (set by
+    Kubernetes in Indexed Jobs) is not 0 belongs to a Job of several pods,
+    which the annotations cannot number: an error.
+    """
+
+    num_processes_source = "JOBSET_GLOBAL_REPLICAS"
+    process_id_source = "JOBSET_JOB_GLOBAL_INDEX"
+    variables = (
+        *_JOBSET_VARIABLES,
+        JOB_COMPLETION_INDEX_VARIABLE,
+        SLURM_COORDINATOR_PORT_VARIABLE,
+    )
+
+    @staticmethod
+    def detect() -> bool:
+        return any(
+            environment_value(name)
+            for name in ("JOBSET_COORDINATOR", "JOBSET_JOB_GLOBAL_INDEX")
+        )
+
+    def _check(self) -> None:
+        _require_all("JobSet", _JOBSET_VARIABLES)
+        pod_index = environment_int(JOB_COMPLETION_INDEX_VARIABLE)
+        if pod_index not in (None, 0):
+            raise ValueError(
+                "keras_dist numbers JobSet pods by their Job "
+                "(jobset.sigs.k8s.io/job-global-index), one pod per Job, but this "
+                f"pod is pod {pod_index} of its Job. Give the replicated job "
+                "`replicas: N` with `parallelism: 1` and `completions: 1`. "
+                f"Received: {JOB_COMPLETION_INDEX_VARIABLE}={pod_index}, "
+                "JOBSET_JOB_GLOBAL_INDEX="
+                f"{os.environ.get('JOBSET_JOB_GLOBAL_INDEX')!r}"
+            )
+
+    def coordinator_address(self) -> str:
+        self._check()
+        host = environment_value("JOBSET_COORDINATOR")
+        raw_port = environment_value(SLURM_COORDINATOR_PORT_VARIABLE)
+        port = (
+            DEFAULT_SLURM_COORDINATOR_PORT
+            if raw_port is None
+            else _port(SLURM_COORDINATOR_PORT_VARIABLE, raw_port)
+        )
+        return join_address(host, port)
+
+    def num_processes(self) -> int:
+        self._check()
+        return _positive(
+            "JOBSET_GLOBAL_REPLICAS", environment_int("JOBSET_GLOBAL_REPLICAS")
+        )
+
+    def process_id(self) -> int:
+        self._check()
+        return _rank_in_range(
+            "JOBSET_JOB_GLOBAL_INDEX",
+            environment_int("JOBSET_JOB_GLOBAL_INDEX"),
+            "JOBSET_GLOBAL_REPLICAS",
+            self.num_processes(),
+        )
+
+
 #: The environments `detect_cluster` tries, in order.
 CLUSTER_ENVIRONMENTS: tuple[type[ClusterEnvironment], ...] = (
+    RayEnvironment,
     TorchrunEnvironment,
     SlurmEnvironment,
+    JaxEnvironment,
+    KubeflowTorchEnvironment,
+    JobSetEnvironment,
     TFConfigEnvironment,
 )
 
@@ -480,3 +869,38 @@ def detect_cluster() -> ClusterEnvironment | None:
         if environment.detect():
             return environment()
     return None
+
+
+def explain_detection() -> list[dict[str, object]]:
+    """What `detect_cluster` sees, for `keras-dist env`: every environment of
+    `CLUSTER_ENVIRONMENTS` in the order they are tried, whether its
+    `detect()` said yes, and which of the variables it reads are set.
+
+    Returns:
+        One dict per environment: `name`, `detected` (bool), `chosen` (the
+        first detected one, the one `detect_cluster` returns), `summary`
+        (its docstring's first line) and `set` (`{variable: value}`).
+    """
+    explained: list[dict[str, object]] = []
+    chosen = False
+    for environment in CLUSTER_ENVIRONMENTS:
+        detected = bool(environment.detect())
+        variables = getattr(environment, "variables", ())
+        explained.append(
+            {
+                "name": environment.__name__,
+                "detected": detected,
+                "chosen": detected and not chosen,
+                "summary": " ".join(
+                    (environment.__doc__ or "").strip().split("\n\n")[0].split()
+                ),
+                "reads": list(variables),
+                "set": {
+                    name: os.environ[name]
+                    for name in variables
+                    if environment_value(name) is not None
+                },
+            }
+        )
+        chosen = chosen or detected
+    return explained

@@ -391,6 +391,10 @@ class Launcher:
         self._write_lock = threading.Lock()
         self._stop_signals: list[int] = []
         self._wake = threading.Event()
+        # SIGUSR1 (`sbatch --signal`, forwarded by srun) is passed on to the
+        # ranks, which save and exit 75 themselves; no restart after it.
+        self._preemption_signals: list[int] = []
+        self._ranks: list[_RankProcess] = []
 
     def run(self) -> int:
         """Start the group, restart it after failures, and wait for the end.
@@ -404,7 +408,7 @@ class Launcher:
         try:
             for attempt in range(self.config.max_restarts + 1):
                 exit_code, failure = self._run_attempt(attempt)
-                if failure is None or self._stop_signals:
+                if failure is None or self._stop_signals or self._preemption_signals:
                     return exit_code
                 if attempt < self.config.max_restarts:
                     self._message(
@@ -425,7 +429,20 @@ class Launcher:
         previous = {}
         for signum in (signal.SIGINT, signal.SIGTERM):
             previous[signum] = signal.signal(signum, self._on_signal)
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_preemption)
         return previous
+
+    def _on_preemption(self, signum: int, frame: object) -> None:
+        """SIGUSR1: pass it on to every rank's process group and keep
+        watching; a rank with a `kd.Checkpoint` saves at the step all agree on
+        and exits 75, and the launcher then exits 75 too (without restarting),
+        which tells a batch script to requeue. Under SLURM every process of
+        the step may get the signal itself as well; a second one changes
+        nothing."""
+        self._preemption_signals.append(signum)
+        for rank in self._ranks:
+            if rank.process.poll() is None:
+                _signal_group(rank.process.pid, signum)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stop_signals.append(signum)
@@ -447,6 +464,7 @@ class Launcher:
         self._job_directory = tempfile.mkdtemp(
             prefix=f"{_JOB_DIRECTORY_PREFIX}{os.getpid()}_"
         )
+        self._ranks = ranks
         try:
             for local_rank in range(self.config.nproc_per_node):
                 if self._stop_signals:

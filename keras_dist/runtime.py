@@ -94,8 +94,9 @@ def resolve_cluster(
     Each value comes from the first of: the explicit argument; the
     `KERAS_DISTRIBUTION_JOB_ADDRESSES`, `KERAS_DISTRIBUTION_NUM_PROCESSES` and
     `KERAS_DISTRIBUTION_PROCESS_ID` variables (several job addresses also give
-    the process count); the cluster this process was launched in (torchrun,
-    then SLURM, then `TF_CONFIG`, see `keras_dist.cluster`). The cluster is only
+    the process count); the cluster this process was launched in (Ray Train,
+    torchrun, SLURM, Kubeflow's JAX and torch runtimes, JobSet, `TF_CONFIG`:
+    see `keras_dist.cluster`). The cluster is only
     read when something is still missing, and a value from the arguments or
     `KERAS_DISTRIBUTION_*` wins over the cluster's even when they disagree.
     Without any of them, the job is one process.
@@ -252,13 +253,15 @@ def initialize(
 ) -> None:
     """Join a multi-process job; a no-op for a single process.
 
-    Called without arguments inside torchrun, an `srun` task or a `TF_CONFIG`
-    cluster, it finds the job on its own; see `resolve_cluster` for the order
-    in which arguments, `KERAS_DISTRIBUTION_*` variables and the cluster are
-    asked. When none of them says anything, the backend's own detection runs
-    last, as in Keras: on JAX `jax.distributed.initialize()` without
-    arguments (Cloud TPU, GKE, Open MPI, `JAX_COORDINATOR_ADDRESS`); with no
-    cluster detected the process runs alone.
+    Called without arguments inside a Ray Train worker, torchrun, an `srun`
+    task, a Kubeflow or JobSet pod or a `TF_CONFIG` cluster, it finds the job
+    on its own (`keras-dist env` shows what it detects); see
+    `resolve_cluster` for the order in which arguments,
+    `KERAS_DISTRIBUTION_*` variables and the cluster are asked. When none
+    of them says anything, the backend's own detection runs last, as in
+    Keras: on JAX `jax.distributed.initialize()` without arguments (Cloud
+    TPU, GKE, Open MPI, `JAX_COORDINATOR_ADDRESS`); with no cluster detected
+    the process runs alone.
 
     Args:
         job_addresses: `"host:port"` of the coordinator (process 0), or every

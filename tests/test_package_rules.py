@@ -24,6 +24,20 @@ def test_only_each_backends_own_modules_import_it():
     assert offenders == []
 
 
+def test_import_keras_dist_never_imports_an_integrations_engine():
+    """Ray and Kubernetes belong to `integrations/`, installed as extras."""
+    code = (
+        "import sys, keras_dist, keras_dist.cluster, keras_dist.cli; "
+        "print(sorted(m for m in ('ray', 'kubernetes', 'kubernetes_validate', "
+        "'keras_dist_ray') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_keras_private_imports_stay_in_the_compat_modules():
     allowed = {
         "_keras_compat.py",

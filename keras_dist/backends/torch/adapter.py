@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import json
+import os
 import weakref
 from typing import Any
 
@@ -50,6 +51,20 @@ def _dtensor() -> Any:
     from keras_dist.backends.torch import dtensor  # noqa: PLC0415
 
     return dtensor
+
+
+def _use_local_gpu() -> None:
+    """Each process of a host on its own GPU, as torchrun users expect: the
+    GPU of its local rank (`LOCAL_RANK` from `keras-dist launch` and
+    torchrun, else `SLURM_LOCALID`), modulo the GPUs it sees. Keras' torch
+    backend puts tensors on the current CUDA device."""
+    if not torch.cuda.is_available():
+        return
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        raw = os.environ.get(name, "").strip()
+        if raw.isdigit():
+            torch.cuda.set_device(int(raw) % torch.cuda.device_count())
+            return
 
 
 def _destroy_process_group() -> None:
@@ -139,6 +154,7 @@ class TorchAdapter(BackendAdapter):
         timeout_seconds: float,
     ) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        _use_local_gpu()
         try:
             torch_distributed.init_process_group(
                 backend=backend,
