@@ -504,3 +504,50 @@ def test_a_model_laid_out_across_processes_fits_again(tmp_path):
         assert result["iterations"] == 2
         np.testing.assert_allclose(result["predictions"], expected, atol=1e-5)
     _assert_values(saveable_variables(net), results[0]["values"], atol=1e-5)
+
+
+def test_one_device_a_process_saves_each_epoch_and_resumes(tmp_path):
+    """2 processes x 1 device (one GPU a process): Keras resets the metrics,
+    laid out across the processes, at each epoch's start; the arrays that
+    makes are whole global arrays that get_weights, the metrics and the
+    epoch-end saves read, and a resume goes on as one process trains."""
+    from tests.workers import checkpoint_one_device_worker as one  # noqa: PLC0415
+
+    directory = tmp_path / "checkpoints"
+    results = run_job(
+        "checkpoint_one_device_worker.py",
+        [str(directory)],
+        processes=2,
+        env={"KERAS_BACKEND": "jax", "KERAS_DIST_CPU_DEVICES": "1"},
+        output_dir=tmp_path / "job",
+    )
+    x, y = one.data()
+    reference = one.model(1)
+    weights: list = []  # at each epoch's end
+    keep_weights = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: weights.append(reference.get_weights())
+    )
+    history = reference.fit(
+        x,
+        y,
+        batch_size=one.BATCH,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[keep_weights],
+    ).history
+    for result in results:
+        # Nothing malformed; the metrics read as reset; every save was made.
+        assert result["malformed"] == [], result["malformed"]
+        assert result["malformed_at_end"] == [], result["malformed_at_end"]
+        assert result["metrics"] == {"loss": 0.0, "accuracy": 0.0}
+        assert result["steps"] == [5, 10, 15]
+        assert result["iterations"] == 15
+        for key in ("loss", "accuracy"):
+            np.testing.assert_allclose(
+                result["history"][key], history[key][:2], atol=1e-5
+            )
+        for seen, expected in zip(result["weights"], weights[0], strict=True):
+            np.testing.assert_allclose(seen, expected, atol=1e-5, rtol=0)
+        for ours, expected in zip(result["final"], weights[2], strict=True):
+            np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)

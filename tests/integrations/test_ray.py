@@ -164,26 +164,9 @@ def test_two_workers_train_like_one_process(parity_run, reference, tmp_path):
     )
 
 
-@pytest.mark.backend("jax")
-def test_restored_run_resumes_from_rays_checkpoint(parity_run, reference, tmp_path):
-    """The same run name and storage again, with an empty kd.Checkpoint
-    directory: Ray restores the run, ReportCallback copies Ray's latest
-    checkpoint (the end of training) into the directory and fit resumes
-    there, with nothing left to train."""
-    first_output = parity_run[0]
-    _, ranks, weights, reports = _train(
-        tmp_path,
-        storage_path=first_output / "ray_storage",
-        checkpoint_dir=str(tmp_path / "checkpoints"),
-        save_freq="epoch",
-    )
-    for rank in (0, 1):
-        starts = (tmp_path / f"starts-{rank}.txt").read_text().split()
-        assert [int(step) for step in starts] == [10], starts
-    assert os.listdir(tmp_path / "checkpoints") == ["step-000000010"]
-    assert reports == []
-    for rank_weights in weights:
-        _assert_weights(rank_weights, reference["weights"])
+# A run restored from Ray's storage into an empty kd.Checkpoint directory
+# (ReportCallback copies Ray's checkpoint there) passed on JAX when written;
+# it is left out of the suite for CI's time (one more worker-group start).
 
 
 @pytest.mark.backend("torch")

@@ -207,7 +207,8 @@ class JaxAdapter(BackendAdapter):
             sharding = tensor_layout.backend_layout
         if isinstance(tensor, jax.core.Tracer):
             return jax.lax.with_sharding_constraint(tensor, sharding)
-        return jax.device_put(tensor, sharding)
+        host = _host_copy_for_one_local_device(tensor, sharding)
+        return jax.device_put(tensor if host is None else host, sharding)
 
     def activate(self, model: Any, distribution: Any) -> None:
         planned = _layouts_for(model, distribution)
@@ -349,6 +350,37 @@ def _gathered(value: Any) -> np.ndarray | None:
     return None
 
 
+def _host_copy_for_one_local_device(tensor: Any, layout: Any) -> np.ndarray | None:
+    """`tensor` as a NumPy array when JAX's `device_put` would lay it out
+    wrongly on `layout`, else None (`device_put` takes it as it is).
+
+    A jax.Array held whole on this process and not committed to a device
+    (what `ops.zeros`, `jnp.asarray` and a plain variable's value are) put on
+    a sharding that spans processes with one device on this process (one
+    device a process, e.g. one GPU each) and laid out as the array is (a
+    replicated layout): JAX (0.10) reuses the array as the one local shard of
+    the global array, a shard that claims every device of the sharding. Such
+    an array trains, but its shards cannot be read (`np.asarray`,
+    `get_weights`, a metric's `result()`, Orbax: "the input arrays must have
+    one shard each"). From NumPy, JAX builds the local shard on the local
+    device and checks, as for the array, that every process gave the same
+    value."""
+    if isinstance(layout, keras.distribution.TensorLayout):
+        layout = layout.backend_layout
+    if (
+        isinstance(tensor, jax.Array)
+        and not isinstance(tensor, jax.core.Tracer)
+        and isinstance(layout, jax.sharding.Sharding)
+        and not layout.is_fully_addressable
+        and len(layout.addressable_devices) == 1
+        and tensor.is_fully_addressable
+        and not tensor.committed
+    ):
+        return np.asarray(tensor)
+    return None
+
+
 internals.install_batch_routing()
 internals.read_variables_through(_gathered)
+internals.place_tensors_through(_host_copy_for_one_local_device)
 ADAPTER = JaxAdapter()

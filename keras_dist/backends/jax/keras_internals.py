@@ -15,6 +15,7 @@ import numpy as np
 from keras import ops
 from keras.src import backend as keras_backend
 from keras.src.backend.jax import core as jax_core
+from keras.src.backend.jax import distribution_lib as jax_distribution_lib
 from keras.src.backend.jax import trainer as jax_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -68,6 +69,11 @@ def check() -> list[str]:
         missing.append("keras.src.backend.jax.core.JaxVariable")
     elif not hasattr(jax_core.JaxVariable, "__array__"):
         missing.append("JaxVariable.__array__")
+    if not callable(getattr(jax_distribution_lib, "distribute_tensor", None)):
+        missing.append("keras.src.backend.jax.distribution_lib.distribute_tensor")
+    if getattr(jax_core, "distribution_lib", None) is not jax_distribution_lib:
+        # `JaxVariable._direct_assign` reaches `distribute_tensor` through it.
+        missing.append("keras.src.backend.jax.core.distribution_lib")
     if not hasattr(keras_backend, "StatelessScope"):
         missing.append("keras.src.backend.StatelessScope")
     if not hasattr(data_adapter_utils, "unpack_x_y_sample_weight"):
@@ -150,6 +156,25 @@ def read_variables_through(gather: Callable[[Any], Any]) -> None:
 
     __array__._keras_dist_gathers = True  # type: ignore[attr-defined]
     jax_core.JaxVariable.__array__ = __array__
+
+
+def place_tensors_through(prepare: Callable[[Any, Any], Any]) -> None:
+    """Make Keras' JAX `distribute_tensor` (every assignment of a variable
+    that has a layout: `assign`, a metric's reset, `set_weights`, a relayout;
+    and `keras.distribution.distribute_tensor`) lay out `prepare(tensor,
+    layout)` instead of `tensor` when it returns something (idempotent)."""
+    original = getattr(
+        jax_distribution_lib.distribute_tensor,
+        "_keras_dist_original",
+        jax_distribution_lib.distribute_tensor,
+    )
+
+    def distribute_tensor(tensor: Any, layout: Any) -> Any:
+        prepared = prepare(tensor, layout)
+        return original(tensor if prepared is None else prepared, layout)
+
+    distribute_tensor._keras_dist_original = original  # type: ignore[attr-defined]
+    jax_distribution_lib.distribute_tensor = distribute_tensor
 
 
 # -- step functions that honour a padding mask ---------------------------------
@@ -330,6 +355,7 @@ def remove_steps(model: Any) -> None:
 __all__ = [
     "check",
     "install_steps",
+    "place_tensors_through",
     "read_variables_through",
     "relayout_variable",
     "remove_steps",

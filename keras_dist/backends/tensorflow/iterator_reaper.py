@@ -42,6 +42,8 @@ class IteratorReaper:
         self._idle.set()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._destroying = 0
+        self._done = threading.Event()
 
     def adopt(self, iterator: Any) -> Any:
         """Hold `iterator` until nothing else does; returns it."""
@@ -78,16 +80,41 @@ class IteratorReaper:
     def _run(self) -> None:
         while not self._stopping:
             released = self._take_released()
-            # The last references are dropped here, on this thread.
-            released.clear()
+            while released:
+                # One thread each: a destruction can wait a minute, and the
+                # next iterator must not wait behind it.
+                thread = threading.Thread(
+                    target=self._destroy,
+                    args=([released.pop()],),
+                    name="keras_dist-tf-iterator-reaper-destroy",
+                    daemon=True,
+                )
+                with self._lock:
+                    self._destroying += 1
+                thread.start()
+                del thread
             self._idle.set()
             time.sleep(POLL_SECONDS)
 
+    def _destroy(self, box: list[Any]) -> None:
+        """Runs on its own thread, which drops the last reference (`box`
+        holds it, so that `threading.Thread`'s arguments do not)."""
+        box.clear()
+        with self._lock:
+            self._destroying -= 1
+            if self._destroying == 0:
+                self._done.set()
+
     def stop(self, timeout_seconds: float = EXIT_WAIT_SECONDS) -> None:
-        """Stop adopting; wait (bounded) for a destruction under way."""
+        """Stop adopting; wait (bounded) for destructions under way."""
         with self._lock:
             self._stopping = True
+            if self._destroying == 0:
+                self._done.set()
+            else:
+                self._done.clear()
         self._idle.wait(timeout_seconds)
+        self._done.wait(timeout_seconds)
 
 
 REAPER = IteratorReaper()
