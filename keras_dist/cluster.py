@@ -163,6 +163,15 @@ def _port(name: str, raw: str) -> int:
     return int(raw)
 
 
+def _fixed_coordinator_port() -> int:
+    """`KERAS_DIST_COORDINATOR_PORT`, else 12355: the port of clusters whose
+    processes must compute the coordinator's address alone (SLURM, JobSet)."""
+    raw_port = environment_value(SLURM_COORDINATOR_PORT_VARIABLE)
+    if raw_port is None:
+        return DEFAULT_SLURM_COORDINATOR_PORT
+    return _port(SLURM_COORDINATOR_PORT_VARIABLE, raw_port)
+
+
 def _positive(name: str, value: int) -> int:
     if value < 1:
         raise ValueError(f"{name} must be at least 1. Received: {name}={value}")
@@ -413,13 +422,7 @@ class SlurmEnvironment(ClusterEnvironment):
                 f"SLURM_PROCID={os.environ.get('SLURM_PROCID')!r}, "
                 f"SLURM_NTASKS={os.environ.get('SLURM_NTASKS')!r}"
             )
-        raw_port = environment_value(SLURM_COORDINATOR_PORT_VARIABLE)
-        port = (
-            DEFAULT_SLURM_COORDINATOR_PORT
-            if raw_port is None
-            else _port(SLURM_COORDINATOR_PORT_VARIABLE, raw_port)
-        )
-        return join_address(host, port)
+        return join_address(host, _fixed_coordinator_port())
 
     def num_processes(self) -> int:
         name = self.num_processes_source
@@ -816,13 +819,7 @@ class JobSetEnvironment(ClusterEnvironment):
     def coordinator_address(self) -> str:
         self._check()
         host = environment_value("JOBSET_COORDINATOR")
-        raw_port = environment_value(SLURM_COORDINATOR_PORT_VARIABLE)
-        port = (
-            DEFAULT_SLURM_COORDINATOR_PORT
-            if raw_port is None
-            else _port(SLURM_COORDINATOR_PORT_VARIABLE, raw_port)
-        )
-        return join_address(host, port)
+        return join_address(host, _fixed_coordinator_port())
 
     def num_processes(self) -> int:
         self._check()

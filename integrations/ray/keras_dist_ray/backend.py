@@ -20,6 +20,8 @@ import socket
 
 from ray.train.backend import Backend, BackendConfig
 
+from keras_dist.cluster import join_address
+
 #: The variable `keras_dist.cluster.RayEnvironment` reads (the same name as
 #: `keras_dist.cluster.RAY_COORDINATOR_VARIABLE`; not imported from there, so
 #: that starting a trainer imports no Keras on the driver).
@@ -60,10 +62,6 @@ class KerasConfig(BackendConfig):
         return {"keras_backend": self.keras_backend}
 
 
-def _join_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def _node_address_and_free_port() -> tuple[str, int]:
     """Runs on the worker of world rank 0: this node's IP (the one Ray's other
     nodes reach it by) and a port nothing listens on now."""
@@ -99,6 +97,6 @@ class _KerasBackend(Backend):
         host, port = worker_group.execute_single(0, _node_address_and_free_port)
         worker_group.execute(
             _set_job_environment,
-            coordinator=_join_address(host, port),
+            coordinator=join_address(host, port),
             keras_backend=backend_config.keras_backend,
         )

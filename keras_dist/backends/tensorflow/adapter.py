@@ -269,13 +269,7 @@ class TensorFlowAdapter(BackendAdapter):
     def _shared_seed(self, strategy: Any) -> int:
         """A seed drawn by process 0, the same in every process."""
         seed = np.random.randint(0, 2**31 - 1) if self._worker_index == 0 else 0
-
-        def value(context: Any) -> Any:
-            first = context.replica_id_in_sync_group == 0
-            return tf.constant(seed if first else 0, tf.int64)
-
-        per_replica = strategy.experimental_distribute_values_from_function(value)
-        return int(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, None))
+        return _process_zero_int(strategy, seed)
 
     def global_batches(
         self, data_adapter: Any, shuffle_stream: np.random.RandomState | None
@@ -306,14 +300,7 @@ class TensorFlowAdapter(BackendAdapter):
         """
         seed = internals.tf_global_seed() if self._worker_index == 0 else None
         # 0: process 0 has none; seeds travel as seed + 1.
-        mine = 0 if seed is None else seed + 1
-
-        def value(context: Any) -> Any:
-            first = context.replica_id_in_sync_group == 0
-            return tf.constant(mine if first else 0, tf.int64)
-
-        per_replica = strategy.experimental_distribute_values_from_function(value)
-        shared = int(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, None))
+        shared = _process_zero_int(strategy, 0 if seed is None else seed + 1)
         if shared == 0:
             return False
         if internals.tf_global_seed() != shared - 1:
@@ -452,6 +439,18 @@ class TensorFlowAdapter(BackendAdapter):
 
     def deactivate(self, model: Any) -> None:
         self._undo_activation(model)
+
+
+def _process_zero_int(strategy: Any, value: int) -> int:
+    """Process 0's `value` on every process (the others pass 0): one SUM over
+    the replicas, of which only process 0's first replica gives it."""
+
+    def replica_value(context: Any) -> Any:
+        first = context.replica_id_in_sync_group == 0
+        return tf.constant(value if first else 0, tf.int64)
+
+    per_replica = strategy.experimental_distribute_values_from_function(replica_value)
+    return int(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, None))
 
 
 def _replica_index() -> Any:
