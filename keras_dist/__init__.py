@@ -19,7 +19,12 @@ from keras_dist.callback import DistributeCallback  # noqa: E402
 from keras_dist.checkpoint import Checkpoint, export, restore  # noqa: E402
 from keras_dist.layout_map import LayoutMap  # noqa: E402
 from keras_dist.mesh import DeviceMesh, TensorLayout  # noqa: E402
-from keras_dist.policies import DataParallel, Distribution, ModelParallel  # noqa: E402
+from keras_dist.policies import (  # noqa: E402
+    FSDP,
+    DataParallel,
+    Distribution,
+    ModelParallel,
+)
 from keras_dist.runtime import (  # noqa: E402
     get_device_count,
     initialize,
@@ -42,6 +47,7 @@ __all__ = [
     "DeviceMesh",
     "DistributeCallback",
     "Distribution",
+    "FSDP",
     "LayoutMap",
     "ModelParallel",
     "TensorLayout",

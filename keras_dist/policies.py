@@ -378,3 +378,146 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
 
     def get_tensor_layout(self, path: str) -> Any:
         return self._on_mesh(self._layout_map[path])
+
+
+def _is_floating(dtype: Any) -> bool:
+    return "float" in keras.backend.standardize_dtype(dtype)
+
+
+class FSDP(ModelParallel):
+    """Fully sharded data parallelism (ZeRO-3): every large variable split
+    along the data axis, batches split along the same axis.
+
+    Each variable with at least `min_size` elements and a floating dtype is
+    split into equal parts along `axis`, on its largest dimension that the
+    axis divides (the first such dimension on a tie) and that the
+    `layout_map` does not already lay out; its optimizer slots (Adam's
+    moments, SGD's momentum) follow it, and so do its gradients. Each
+    device then holds 1/N of the parameters and optimizer state. A forward
+    pass gathers each layer's weights where they are used and the backward
+    pass reduces each gradient onto its owner's part: on JAX through
+    shardings (XLA inserts the all-gathers and reduce-scatters), on PyTorch
+    through DTensor, one process per device. Training is the same as on one
+    device with the global batch.
+
+    Smaller variables (biases, norms), integer ones (seed states, counters)
+    and those with no dimension that the axis divides stay replicated along
+    `axis`; `kd.plan(model, distribution)` lists which.
+
+    Composes with tensor parallelism: give a `layout_map` over a mesh with
+    a second axis (`("batch", "model")`, e.g. from
+    `kd.layouts.tensor_parallel`) and each variable keeps the model-axis
+    layout the map gives it, with `axis` added on one of its other
+    dimensions. A layout that already uses `axis` is kept as it is (as
+    KerasHub's maps do).
+
+    Args:
+        device_mesh: the mesh. Defaults to the layout map's mesh, else a 1-D
+            mesh over every device with the axis named `axis`.
+        axis: the data axis: the mesh axis batches and variables are split
+            along.
+        min_size: variables with fewer elements stay replicated: gathering
+            a tiny tensor costs more in latency than its memory is worth.
+        layout_map: an optional `LayoutMap` for the other mesh axes.
+        auto_shard_dataset: see `Distribution`.
+
+    Example:
+
+    >>> distribution = keras_dist.FSDP(devices=["cpu:0"])
+    >>> distribution.axis, distribution.batch_dim_name
+    ('batch', 'batch')
+    """
+
+    def __init__(
+        self,
+        device_mesh: Any = None,
+        axis: str = DEFAULT_BATCH_DIM_NAME,
+        min_size: int = 1024,
+        layout_map: Any = None,
+        auto_shard_dataset: bool = True,
+        *,
+        devices: Any = None,
+    ):
+        if not isinstance(axis, str):
+            raise TypeError(
+                f"`axis` must be the name of a mesh axis. Received: axis={axis!r}"
+            )
+        if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)):
+            raise TypeError(
+                "`min_size` must be an int number of elements. Received: "
+                f"min_size={min_size!r}"
+            )
+        if min_size < 0:
+            raise ValueError(
+                f"`min_size` must be 0 or more. Received: min_size={min_size}"
+            )
+        if device_mesh is not None and devices is not None:
+            raise ValueError(
+                "Give FSDP either `device_mesh` or `devices`, not both. Received: "
+                f"device_mesh={device_mesh}, devices={devices}"
+            )
+        if device_mesh is None and layout_map is not None:
+            device_mesh = layout_map.device_mesh
+        if device_mesh is None:
+            if devices is None:
+                devices = runtime.list_devices()
+            devices = list(np.asarray(devices, dtype=object).reshape(-1))
+            device_mesh = DeviceMesh((len(devices),), [axis], devices)
+        _check_mesh(device_mesh)
+        if axis not in device_mesh.axis_names:
+            raise ValueError(
+                f"`axis` must be an axis of the mesh, one of "
+                f"{list(device_mesh.axis_names)}. Received: axis={axis!r}"
+            )
+        if layout_map is None:
+            from keras_dist.layout_map import LayoutMap
+
+            layout_map = LayoutMap(device_mesh)
+        self._axis = axis
+        self._min_size = int(min_size)
+        super().__init__(device_mesh, layout_map, axis, auto_shard_dataset)
+
+    @property
+    def axis(self) -> str:
+        """The mesh axis that splits batches and variables."""
+        return self._axis
+
+    @property
+    def min_size(self) -> int:
+        return self._min_size
+
+    def fsdp_dimension(
+        self, path: str, shape: tuple, dtype: Any, axes: tuple
+    ) -> int | None:
+        """The dimension `axis` splits for a variable with this `path`,
+        `shape`, `dtype` and layout-map `axes`, or None (replicated)."""
+        if self._axis in axes or not _is_floating(dtype):
+            return None
+        if int(np.prod(shape, dtype=np.int64)) < self._min_size:
+            return None
+        mesh = self.device_mesh
+        parts = int(mesh.shape[list(mesh.axis_names).index(self._axis)])
+        candidates = [
+            dim
+            for dim, size in enumerate(shape)
+            if axes[dim] is None and size % parts == 0 and size >= parts
+        ]
+        if parts == 1 or not candidates:
+            return None
+        return max(candidates, key=lambda dim: (shape[dim], -dim))
+
+    def layout_for_variable(self, variable: Any) -> Any:
+        layout = super().layout_for_variable(variable)
+        shape = tuple(int(size) for size in variable.shape)
+        axes = tuple(layout.axes)
+        dimension = self.fsdp_dimension(variable.path, shape, variable.dtype, axes)
+        if dimension is None:
+            return layout
+        axes = axes[:dimension] + (self._axis,) + axes[dimension + 1 :]
+        return TensorLayout(axes, self.device_mesh)
+
+    def __repr__(self) -> str:
+        return (
+            f"<FSDP device_mesh={self.device_mesh}, axis={self._axis!r}, "
+            f"min_size={self._min_size}>"
+        )

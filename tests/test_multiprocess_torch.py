@@ -394,31 +394,61 @@ def test_model_parallel_each_process_holds_half_of_each_sharded_variable(
     assert {kind for kind, _, _ in reference["held_in_fit"].values()} == {"Parameter"}
 
 
-def test_model_parallel_on_a_2x2_mesh_splits_rows_and_shards_variables(
-    model_parallel, tmp_path
+@pytest.mark.parametrize(
+    ("scenario", "processes", "expected"),
+    [
+        # FSDP on 2 processes: every variable that 2 divides is split along
+        # "batch" on its largest such dimension; rows split 6 + 6.
+        (
+            "model_parallel_fsdp",
+            2,
+            {
+                "dense/kernel": ["DTensor", [6, 8], ["S(1)"]],
+                "dense/bias": ["DTensor", [8], ["S(0)"]],
+                "dense_1/kernel": ["DTensor", [8, 3], ["S(0)"]],
+                "dense_1/bias": ["DTensor", [3], ["R"]],
+            },
+        ),
+        # FSDP x tensor parallelism on a (2, 2) mesh, 4 processes: the
+        # LayoutMap's "model" split is kept and "batch" goes on another
+        # dimension where 2 divides it; rows split 6 + 6 along "batch".
+        (
+            "model_parallel_fsdp_2x2",
+            4,
+            {
+                "dense/kernel": ["DTensor", [3, 8], ["S(0)", "S(1)"]],
+                "dense/bias": ["DTensor", [8], ["R", "S(0)"]],
+                "dense_1/kernel": ["DTensor", [8, 3], ["R", "S(0)"]],
+                "dense_1/bias": ["DTensor", [3], ["R", "R"]],
+            },
+        ),
+    ],
+)
+def test_fsdp_trains_like_one_process(
+    model_parallel, tmp_path, scenario, processes, expected
 ):
-    """4 processes: rows split along "batch" (2 ways), the same variables sharded
-    along "model" (2 ways) as on the (1, 2) mesh; the same training."""
     _, reference = model_parallel
     results = run_job(
         "torch_worker.py",
-        ["model_parallel_2x2"],
-        processes=4,
+        [scenario],
+        processes=processes,
         env=TORCH,
         output_dir=tmp_path,
     )
     for result in results:
-        for ours, expected in zip(result["weights"], reference["weights"], strict=True):
-            np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
+        for ours, theirs in zip(result["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
         for key, values in reference["history"].items():
             np.testing.assert_allclose(result["history"][key], values, atol=1e-5)
         np.testing.assert_allclose(
             result["predictions"], reference["predictions"], atol=1e-5
         )
         held = result["held_in_fit"]
-        assert held["sequential/dense/kernel"] == ["DTensor", [6, 8], ["R", "S(1)"]]
-        assert held["sequential/dense_1/kernel"] == ["DTensor", [8, 3], ["R", "S(0)"]]
-        # The rows of a global batch of 12 were split 6 + 6 along "batch".
+        for path, value in expected.items():
+            assert held[f"sequential/{path}"] == value, path
+        # Adam's moments follow their variable: half of each split one.
+        moments = [v for p, v in held.items() if "dense_kernel_" in p]
+        assert moments and all(v == expected["dense/kernel"] for v in moments)
         assert result["input_rows"] == [6, 6]
 
 

@@ -59,7 +59,20 @@ class RecordShards(keras.callbacks.Callback):
             self.weights_in_fit = [w.shape for w in self.model.get_weights()]
 
 
-def train(sharded: bool, batch: int = 1) -> dict:
+def _fsdp(batch: int) -> kd.FSDP:
+    """Every variable split along "batch" where 2 divides it (min_size=0); with
+    `batch` < the process count, also the LAYOUTS along "model"."""
+    world = kd.num_processes()
+    if batch == world:
+        return kd.FSDP(min_size=0)
+    mesh = kd.DeviceMesh((batch, world // batch), ["batch", "model"], kd.list_devices())
+    layout_map = kd.LayoutMap(mesh)
+    for key, axes in LAYOUTS.items():
+        layout_map[key] = axes
+    return kd.FSDP(layout_map=layout_map, min_size=0)
+
+
+def train(sharded: bool, batch: int = 1, fsdp: bool = False) -> dict:
     """fit (with validation), predict and evaluate the classification model
     under ModelParallel on a (batch, N / batch) mesh, or under a one-process
     DataParallel (`sharded=False`, the reference: the same shuffle stream,
@@ -68,7 +81,12 @@ def train(sharded: bool, batch: int = 1) -> dict:
     keras.utils.set_random_seed(100 + kd.process_id())
     x, _ = scenarios.classification_data()
     model = scenarios.classification_model()
-    distribution = _model_parallel(batch) if sharded else kd.DataParallel()
+    if fsdp:
+        distribution = _fsdp(batch)
+    elif sharded:
+        distribution = _model_parallel(batch)
+    else:
+        distribution = kd.DataParallel()
     record = RecordShards()
     # The rows the first layer computes on in this process, first two calls.
     input_rows: list[int] = []
@@ -111,7 +129,7 @@ def train(sharded: bool, batch: int = 1) -> dict:
         )
         .to_local()
         .tolist()
-        if sharded
+        if sharded and "model" in distribution.device_mesh.axis_names
         else None,
     }
 
@@ -220,8 +238,10 @@ def callbacks_and_errors() -> dict:
 def run(scenario: str) -> dict:
     if scenario == "model_parallel":
         return train(sharded=True)
-    if scenario == "model_parallel_2x2":
-        return train(sharded=True, batch=2)
+    if scenario == "model_parallel_fsdp":
+        return train(sharded=True, batch=kd.num_processes(), fsdp=True)
+    if scenario == "model_parallel_fsdp_2x2":
+        return train(sharded=True, batch=2, fsdp=True)
     if scenario == "model_parallel_reference":
         return train(sharded=False)
     if scenario == "model_parallel_callbacks":

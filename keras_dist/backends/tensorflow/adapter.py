@@ -254,6 +254,14 @@ class TensorFlowAdapter(BackendAdapter):
         return strategy.scope()
 
     def _check_layouts(self, distribution: Any) -> None:
+        from keras_dist.policies import FSDP
+
+        if isinstance(distribution, FSDP):
+            raise NotImplementedError(
+                _NOT_YET.format(
+                    what="FSDP (variables split along the data axis, through DTensor)"
+                ).replace("has ModelParallel", "and torch have FSDP and ModelParallel")
+            )
         layout_map = getattr(distribution, "layout_map", None) or {}
         for key in layout_map:
             axes = layout_map[key].axes
