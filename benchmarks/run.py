@@ -59,6 +59,9 @@ class Entry:
         target: the highest acceptable keras_dist/native step-time ratio for
             this entry, or None for `--target`'s default. An explicit
             `--target` overrides it.
+        script_name: the script under `benchmarks/entries/` (without `.py`)
+            when it is not `name`: one script run with several device counts
+            is one entry per count.
     """
 
     name: str
@@ -69,10 +72,11 @@ class Entry:
     env: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float = 600.0
     target: float | None = None
+    script_name: str | None = None
 
     @property
     def script(self) -> Path:
-        return ENTRIES_DIR / f"{self.name}.py"
+        return ENTRIES_DIR / f"{self.script_name or self.name}.py"
 
 
 ENTRIES: dict[str, Entry] = {
@@ -102,6 +106,31 @@ ENTRIES: dict[str, Entry] = {
             description="DataParallel, 4 logical CPU devices: "
             "kd.DistributeCallback vs a raw MirroredStrategy fit",
             cpu_devices=4,
+            timeout_s=600.0,
+            target=1.05,
+        ),
+        *(
+            Entry(
+                name="jax_fsdp" if devices == 8 else f"jax_fsdp_{devices}",
+                backend="jax",
+                description=f"FSDP, {devices} simulated CPU devices: kd.FSDP vs "
+                "keras.distribution.ModelParallel with the same layouts; "
+                "per-device bytes vs DataParallel",
+                cpu_devices=devices,
+                timeout_s=400.0,
+                target=1.05,
+                script_name="jax_fsdp",
+            )
+            for devices in (8, 4, 2)
+        ),
+        Entry(
+            name="torch_fsdp",
+            backend="torch",
+            description="FSDP, 2 processes (gloo, CPU): kd.FSDP (DTensor) vs a "
+            "hand-written fully_shard (FSDP2) loop; per-process bytes vs "
+            "DataParallel",
+            cpu_devices=None,
+            launcher=("-m", "keras_dist", "launch", "--nproc-per-node", "2"),
             timeout_s=600.0,
             target=1.05,
         ),
@@ -305,8 +334,48 @@ def print_report(results: dict[str, dict[str, Any]], failures: dict[str, str]) -
                 f"steps: {stats['pooled_ratio']:.3f}",
                 markup=False,
             )
+        if "memory" in result:
+            print_memory(console, name, result)
     for name, message in failures.items():
         console.print(f"{name} failed: {message}", markup=False, style="red")
+
+
+def print_memory(console: Any, name: str, result: dict[str, Any]) -> None:
+    """The table of an entry that measured per-device bytes (FSDP entries)."""
+    from rich.table import Table
+
+    devices = result["devices"]
+    table = Table(
+        title=f"{name}: bytes of weights + optimizer variables held per device",
+        caption=f"{devices} devices; x devices = (bytes / replicated bytes) x "
+        f"{devices}: 1 means exactly 1/{devices} of the replicated figure "
+        "(target for keras_dist_fsdp: at most 1.05, checked by --check)",
+    )
+    for column in ("candidate", "bytes per device", "/replicated", "x devices"):
+        table.add_column(column, justify="left" if column == "candidate" else "right")
+    for candidate, record in result["memory"].items():
+        times = f"{record['times_devices']:.4f}"
+        if "target_times_devices" in record:
+            style = (
+                "green"
+                if record["times_devices"] <= record["target_times_devices"]
+                else "red"
+            )
+            times = f"[{style}]{times}[/{style}]"
+        table.add_row(
+            candidate,
+            f"{record['max_device_bytes']:,}",
+            f"{record['fraction_of_replicated']:.4f}",
+            times,
+        )
+    console.print(table)
+    for candidate, record in result["memory"].items():
+        if record["fraction_of_replicated"] < 1 and "replicated" in record:
+            console.print(
+                f"{candidate} keeps replicated: "
+                + (", ".join(record["replicated"]) or "nothing"),
+                markup=False,
+            )
 
 
 # -- command line --------------------------------------------------------------------
@@ -420,6 +489,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for candidate, stats in result["summary"]["candidates"].items()
         if candidate != result["summary"]["baseline"]
         and stats["median_ratio"] > result["target"]
+    ]
+    above += [
+        name
+        for name, result in results.items()
+        for record in result.get("memory", {}).values()
+        if record["times_devices"] > record.get("target_times_devices", float("inf"))
     ]
     return 1 if args.check and above else 0
 

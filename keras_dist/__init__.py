@@ -15,10 +15,12 @@ from keras_dist import _device_simulation
 # Simulated devices must be configured before the backend runtime starts.
 _device_simulation.apply_from_environment()
 
+from keras_dist import layouts  # noqa: E402
 from keras_dist.callback import DistributeCallback  # noqa: E402
 from keras_dist.checkpoint import Checkpoint, export, restore  # noqa: E402
 from keras_dist.layout_map import LayoutMap  # noqa: E402
 from keras_dist.mesh import DeviceMesh, TensorLayout  # noqa: E402
+from keras_dist.planner import Plan, Problem, plan  # noqa: E402
 from keras_dist.policies import (  # noqa: E402
     FSDP,
     DataParallel,
@@ -50,14 +52,18 @@ __all__ = [
     "FSDP",
     "LayoutMap",
     "ModelParallel",
+    "Plan",
+    "Problem",
     "TensorLayout",
     "Trainer",
     "distribute_tensor",
     "distribution",
     "export",
+    "layouts",
     "get_device_count",
     "initialize",
     "list_devices",
+    "plan",
     "num_processes",
     "process_id",
     "restore",

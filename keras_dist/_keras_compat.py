@@ -787,6 +787,8 @@ def check() -> list[str]:
     ):
         if not hasattr(KerasDistribution, name):
             missing.append(f"Distribution.{name}")
+    if not _shapes_only_variables_are_forgotten():
+        missing.append("global_state 'uninitialized_variables' (keras_dist.plan)")
     missing += _check_dataset_sharding()
     if not _shuffle_follows_numpy_stream():
         missing.append("ArrayDataAdapter shuffles with NumPy's global generator")
@@ -1129,3 +1131,33 @@ def _check_resume() -> list[str]:
     ):
         missing.append("Layer._trainable_variables / Layer._seed_generators")
     return missing
+
+
+@contextlib.contextmanager
+def shapes_only_variables() -> Iterator[None]:
+    """Variables created inside the block have a path, shape and dtype but no
+    value: Keras defers their initialisation (`keras.StatelessScope`), and on
+    exit they are dropped from Keras' list of variables to initialise later,
+    so no later scope allocates them. Used by `keras_dist.plan`."""
+    from keras.src.backend.common import global_state  # noqa: PLC0415
+
+    name = "uninitialized_variables"
+    before = {id(v) for v in global_state.get_global_attribute(name) or []}
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        pending = global_state.get_global_attribute(name)
+        if pending:
+            pending[:] = [v for v in pending if id(v) in before]
+
+
+def _shapes_only_variables_are_forgotten() -> bool:
+    from keras.src.backend.common import global_state  # noqa: PLC0415
+
+    with shapes_only_variables():
+        probe = keras.Variable(initializer="zeros", shape=(2,), name="probe")
+        pending = global_state.get_global_attribute("uninitialized_variables") or []
+        registered = any(variable is probe for variable in pending)
+    pending = global_state.get_global_attribute("uninitialized_variables") or []
+    return registered and all(variable is not probe for variable in pending)

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import math
+import os
+import re
 import sys
 import textwrap
+from typing import Any
 
 
 def _devices(arguments: argparse.Namespace) -> int:
@@ -136,6 +141,119 @@ def _describe_env(report: dict) -> str:
     return "\n".join(lines)
 
 
+_MEMORY_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes from `"16GB"` (powers of 1000), `"16GiB"` (of 1024) or `"1024"`."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if unit not in _MEMORY_UNITS:
+        raise ValueError(
+            "--device-memory takes a size such as 16GB, 80GiB or 1024 (bytes). "
+            f"Received: {text!r}"
+        )
+    return int(float(match.group(1)) * _MEMORY_UNITS[unit])
+
+
+def _import_function(spec: str, flag: str) -> Any:
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        raise ValueError(f"{flag} takes MODULE:FUNCTION. Received: {spec!r}")
+    # Like `python -m`: modules in the current directory are importable.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    module = importlib.import_module(module_name)
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ValueError(
+            f"{module_name!r} has no function {function_name!r}. Received: "
+            f"{flag} {spec!r}"
+        )
+    return function
+
+
+def _plan_distribution(arguments: argparse.Namespace) -> Any:
+    import keras_dist  # noqa: PLC0415  (after argument parsing: imports the backend)
+
+    try:
+        shape = tuple(int(size) for size in arguments.mesh.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--mesh takes sizes such as 2,4. Received: {arguments.mesh!r}"
+        ) from None
+    axes = arguments.axes.split(",")
+    count = math.prod(shape)
+    devices = keras_dist.list_devices()
+    # The planner never touches devices: a mesh larger than this machine is
+    # planned on placeholder names.
+    names = (
+        devices[:count] if len(devices) >= count else [f"cpu:{i}" for i in range(count)]
+    )
+    mesh = keras_dist.DeviceMesh(shape, axes, names)
+    layout_map = None
+    if arguments.layout_map:
+        layout_map = _import_function(arguments.layout_map, "--layout-map")(mesh)
+    if arguments.fsdp:
+        return keras_dist.FSDP(
+            mesh, axis=axes[0], min_size=arguments.min_size, layout_map=layout_map
+        )
+    if layout_map is not None:
+        return keras_dist.ModelParallel(mesh, layout_map)
+    return keras_dist.DataParallel(mesh)
+
+
+def _plan(arguments: argparse.Namespace) -> int:
+    """`keras-dist plan`: the planner on a model-building function."""
+    from keras_dist.planner import plan  # noqa: PLC0415
+
+    try:
+        memory = None
+        if arguments.device_memory is not None:
+            memory = parse_memory(arguments.device_memory)
+        model = _import_function(arguments.model, "MODEL")
+        distribution = _plan_distribution(arguments)
+    except (ImportError, TypeError, ValueError) as error:
+        arguments.usage_error(str(error))  # exits with code 2, like argparse
+    try:
+        result = plan(
+            model,
+            distribution,
+            batch_size=arguments.batch_size,
+            device_memory=memory,
+            on_indivisible=arguments.on_indivisible,
+            optimizer=arguments.optimizer,
+        )
+    except ValueError as error:
+        print(f"keras-dist plan: {error}", file=sys.stderr)
+        return 1
+    if arguments.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(result)
+    if arguments.png:
+        result.plot(arguments.png)
+    if result.problems:
+        print(
+            f"keras-dist plan: {len(result.problems)} problem(s): "
+            + ", ".join(sorted({problem.kind for problem in result.problems})),
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
 def _launch(arguments: argparse.Namespace) -> int:
     # The launcher needs only the standard library; the processes it starts
     # import keras and their backend themselves.
@@ -175,6 +293,63 @@ def build_parser() -> argparse.ArgumentParser:
     )
     env.add_argument("--json", action="store_true", help="one JSON object")
     env.set_defaults(handler=_env)
+    planner = commands.add_parser(
+        "plan",
+        help="lay a model out on a mesh on paper: each variable's layout, bytes "
+        "per device and every problem, from shapes only",
+        description=(
+            "Build the model that MODULE:FUNCTION returns without allocating it\n"
+            "(keras.StatelessScope), lay it out on a mesh of any size (devices this\n"
+            "machine lacks get placeholder names) and print each variable's layout\n"
+            "and bytes per device, each device's totals and every problem found.\n"
+            "Exit code 1 when there are problems."
+        ),
+        epilog=(
+            "example: keras-dist plan models:llama --mesh 2,4 --axes batch,model "
+            "--fsdp --layout-map models:llama_layout --batch-size 8 "
+            "--device-memory 16GB --png plan.png"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    planner.add_argument(
+        "model", metavar="MODULE:FUNCTION", help="a function returning a Keras model"
+    )
+    planner.add_argument("--mesh", required=True, help="mesh shape, e.g. 2,4")
+    planner.add_argument(
+        "--axes",
+        required=True,
+        help="mesh axis names, batch axis first, e.g. batch,model",
+    )
+    planner.add_argument(
+        "--fsdp", action="store_true", help="kd.FSDP along the first axis"
+    )
+    planner.add_argument(
+        "--min-size", type=int, default=1024, metavar="N", help="FSDP's min_size"
+    )
+    planner.add_argument(
+        "--layout-map",
+        metavar="MODULE:FUNCTION",
+        help="a function of the DeviceMesh returning a LayoutMap (ModelParallel)",
+    )
+    planner.add_argument(
+        "--batch-size", type=int, metavar="B", help="global batch, for activations"
+    )
+    planner.add_argument(
+        "--device-memory", metavar="SIZE", help="per device, e.g. 16GB or 80GiB"
+    )
+    planner.add_argument(
+        "--optimizer", help="an optimizer name (e.g. adam) whose slots to count"
+    )
+    planner.add_argument(
+        "--on-indivisible",
+        choices=("error", "replicate"),
+        default="error",
+        help="a dimension its mesh axis does not divide: fail (default) or plan "
+        "it replicated",
+    )
+    planner.add_argument("--json", action="store_true", help="one JSON object")
+    planner.add_argument("--png", metavar="PATH", help="write a bar chart there")
+    planner.set_defaults(handler=_plan, usage_error=planner.error)
     launch = commands.add_parser(
         "launch",
         help="run a script as one job of several processes",

@@ -84,13 +84,16 @@ def _extras() -> dict[str, list[str]]:
 def test_tensorflow_extra_is_the_gpu_capable_tensorflow():
     extras = _extras()
     assert extras["tensorflow"] == ["tensorflow>=2.21"]
-    assert "keras-dist[jax,torch,tensorflow,ray,examples,test]" in extras["all"]
+    assert "keras-dist[jax,torch,tensorflow,ray,plan,examples,test]" in extras["all"]
 
 
 def test_each_integration_that_needs_a_library_has_its_extra():
     extras = _extras()
     assert extras["ray"] == ["ray[train]>=2.50"]
-    assert "keras-dist[jax,torch,tensorflow-cpu,ray,examples,test]" in extras["all-cpu"]
+    assert (
+        "keras-dist[jax,torch,tensorflow-cpu,ray,plan,examples,test]"
+        in extras["all-cpu"]
+    )
 
 
 def test_cpu_only_tensorflow_belongs_to_the_cpu_set_up():
@@ -104,7 +107,10 @@ def test_cpu_only_tensorflow_belongs_to_the_cpu_set_up():
     assert any(
         r.startswith("tensorflow>") and "platform_machine != 'x86_64'" in r for r in cpu
     )
-    assert "keras-dist[jax,torch,tensorflow-cpu,ray,examples,test]" in extras["all-cpu"]
+    assert (
+        "keras-dist[jax,torch,tensorflow-cpu,ray,plan,examples,test]"
+        in extras["all-cpu"]
+    )
     readme = (REPO / "README.md").read_text()
     command = readme.split("<!-- test-command -->")[1].split("```")[1]
     assert '-c constraints/cpu.txt -e ".[all-cpu]"' in command

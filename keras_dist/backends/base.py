@@ -79,6 +79,13 @@ class BackendAdapter(abc.ABC):
     def local_device_count(self, device_type: str | None = None) -> int:
         """Devices that belong to this process."""
 
+    def device_memory_bytes(self, device: str) -> int | None:
+        """The memory, in bytes, that `device` (a name such as `"gpu:0"`)
+        offers to tensors, or None when the backend does not say (CPU
+        devices, TensorFlow). Reads device properties only; allocates nothing.
+        """
+        return None
+
     @abc.abstractmethod
     def num_processes(self) -> int:
         """Processes in the job (1 when not initialized)."""
@@ -163,6 +170,13 @@ class BackendAdapter(abc.ABC):
         `tensor_layout` is a `TensorLayout` with a mesh, or a layout object of
         the backend's own for which `is_backend_layout` is true.
         """
+
+    def unsupported_split(self, layer: Any, variable: Any, axes: tuple) -> str | None:
+        """Why this backend cannot train `layer` (None when unknown) with its
+        `variable` laid out as `axes` (a mesh axis name or None per dimension),
+        or None when it can. `keras_dist.layouts` replicates such variables
+        instead. None (no known limit) by default."""
+        return None
 
     def is_backend_layout(self, layout: Any) -> bool:
         """Whether `distribute_tensor` takes `layout`, an object of the

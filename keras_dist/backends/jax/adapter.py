@@ -95,6 +95,20 @@ class JaxAdapter(BackendAdapter):
     def local_device_count(self, device_type: str | None = None) -> int:
         return jax.local_device_count(device_type)
 
+    def device_memory_bytes(self, device: str) -> int | None:
+        platform, _, index = str(device).partition(":")
+        try:
+            candidates = jax.devices(platform)
+        except RuntimeError:
+            return None  # no such platform here (a planned, simulated mesh)
+        for candidate in candidates:
+            if str(candidate.id) == index and candidate.platform != "cpu":
+                # memory_stats() is None or lacks the limit on some platforms.
+                stats = candidate.memory_stats() or {}
+                limit = stats.get("bytes_limit")
+                return int(limit) if limit else None
+        return None
+
     def num_processes(self) -> int:
         return jax.process_count()
 
@@ -380,7 +394,32 @@ def _host_copy_for_one_local_device(tensor: Any, layout: Any) -> np.ndarray | No
     return None
 
 
+def _built_shard_by_shard(variable: Any, value: Any, layout: Any) -> Any:
+    """A NumPy `value` assigned to a variable laid out on a sharding, as the
+    laid-out array built from the host, each device receiving only its part
+    (the part of each device of this process), else None (Keras' own way).
+
+    Keras' `assign` copies the whole value onto one device before laying it
+    out (keras#21712), so loading a model larger than one device would fail
+    there. The host keeps the whole value, as the file read gave it."""
+    if not isinstance(value, np.ndarray):
+        return None  # already an array (a training step's, Orbax's...)
+    if isinstance(layout, keras.distribution.TensorLayout):
+        layout = layout.backend_layout
+    if not isinstance(layout, jax.sharding.Sharding) or tuple(value.shape) != tuple(
+        variable.shape
+    ):
+        return None  # Keras converts it, and names a wrong shape
+    dtype = jax.numpy.dtype(variable.dtype)
+    return jax.make_array_from_callback(
+        value.shape,
+        layout,
+        lambda index: np.ascontiguousarray(value[index], dtype=dtype),
+    )
+
+
 internals.install_batch_routing()
 internals.read_variables_through(_gathered)
 internals.place_tensors_through(_host_copy_for_one_local_device)
+internals.assign_host_values_through(_built_shard_by_shard)
 ADAPTER = JaxAdapter()

@@ -69,6 +69,9 @@ def check() -> list[str]:
         missing.append("keras.src.backend.jax.core.JaxVariable")
     elif not hasattr(jax_core.JaxVariable, "__array__"):
         missing.append("JaxVariable.__array__")
+    elif type(keras.Variable(0.0)).assign is not jax_core.JaxVariable.assign:
+        # `assign_host_values_through` replaces JaxVariable's `assign`.
+        missing.append("JaxVariable.assign (keras.Variable overrides it)")
     if not callable(getattr(jax_distribution_lib, "distribute_tensor", None)):
         missing.append("keras.src.backend.jax.distribution_lib.distribute_tensor")
     if getattr(jax_core, "distribution_lib", None) is not jax_distribution_lib:
@@ -175,6 +178,34 @@ def place_tensors_through(prepare: Callable[[Any, Any], Any]) -> None:
 
     distribute_tensor._keras_dist_original = original  # type: ignore[attr-defined]
     jax_distribution_lib.distribute_tensor = distribute_tensor
+
+
+_original_variable_assign = jax_core.JaxVariable.assign
+
+
+def assign_host_values_through(place: Callable[[Any, Any, Any], Any]) -> None:
+    """Make `assign(value)` of a Keras JAX variable that has a layout (what
+    `load_weights`, hence a KerasHub preset, and `set_weights` call with NumPy
+    values) assign `place(variable, value, layout)` instead of `value` when it
+    returns something (idempotent).
+
+    Keras converts the value with `jnp.asarray` before laying it out, a full
+    copy on one device first (keras#21712); `place` can build the laid-out
+    array from the host value directly, each device getting only its part."""
+    original = getattr(
+        jax_core.JaxVariable.assign, "_keras_dist_original", _original_variable_assign
+    )
+
+    def assign(self: Any, value: Any) -> Any:
+        layout = self._layout
+        if layout is not None:
+            placed = place(self, value, layout)
+            if placed is not None:
+                value = placed
+        return original(self, value)
+
+    assign._keras_dist_original = original  # type: ignore[attr-defined]
+    jax_core.JaxVariable.assign = assign
 
 
 # -- step functions that honour a padding mask ---------------------------------
@@ -353,6 +384,7 @@ def remove_steps(model: Any) -> None:
 
 
 __all__ = [
+    "assign_host_values_through",
     "check",
     "install_steps",
     "place_tensors_through",

@@ -135,6 +135,15 @@ class TorchAdapter(BackendAdapter):
             return [f"cpu:{index}" for index in range(world_size)]
         return []
 
+    def device_memory_bytes(self, device: str) -> int | None:
+        platform, _, index = str(device).partition(":")
+        if platform != "gpu" or not index.isdigit() or not torch.cuda.is_available():
+            return None
+        # Global device i of a job with one GPU per process is that process'
+        # GPU; every GPU of a job is taken to be alike.
+        local = int(index) % torch.cuda.device_count()
+        return int(torch.cuda.get_device_properties(local).total_memory)
+
     def local_device_count(self, device_type: str | None = None) -> int:
         world_size, _ = self._world()
         return len(self.list_devices(device_type)) // world_size
@@ -233,6 +242,30 @@ class TorchAdapter(BackendAdapter):
         return _dtensor().placements(
             tensor_layout.axes, tensor_layout.device_mesh.axis_names
         )
+
+    def unsupported_split(self, layer: Any, variable: Any, axes: tuple) -> str | None:
+        """What DTensor (torch 2.13) has no sharding rules for, measured on
+        CPU: a Conv1D/2D/3D with split variables, and an Embedding whose table
+        is split along its rows (the vocabulary)."""
+        import keras
+
+        if all(axis is None for axis in axes):
+            return None
+        convolutions = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+        if isinstance(layer, convolutions):
+            return (
+                "PyTorch's DTensor cannot run a convolution whose variables are split"
+            )
+        if (
+            isinstance(layer, keras.layers.Embedding)
+            and variable.name == "embeddings"
+            and axes[0] is not None
+        ):
+            return (
+                "PyTorch's DTensor cannot look up the rows of an embedding table "
+                "split along its rows (the vocabulary)"
+            )
+        return None
 
     def is_backend_layout(self, layout: Any) -> bool:
         """DTensor placements, one per mesh axis (for a DTensor, on its mesh)."""

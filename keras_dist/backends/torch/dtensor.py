@@ -55,6 +55,7 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_dist._keras_compat import layers_of, slot_owners
@@ -236,12 +237,36 @@ _variable_patches: list[Callable[[], None]] = []
 
 def _as_placed(current: Any, value: Any) -> Any:
     """`value` laid out like `current` when that is a DTensor: every process
-    holds the whole value, so each keeps its part (no communication)."""
+    holds the whole value, so each keeps its part (no communication).
+
+    The part is cut where the value is (a NumPy value from `load_weights`, a
+    checkpoint read whole: on the host) and only the part moves to this
+    process' device, never the whole value (keras#21712)."""
     if not isinstance(current, DTensor) or isinstance(value, DTensor):
         return value
-    value = torch.as_tensor(value).to(current.device_mesh.device_type)
-    return distribute_tensor(
-        value, current.device_mesh, current.placements, src_data_rank=None
+    if tuple(np.shape(value)) != tuple(current.shape):
+        return value  # Keras names the wrong shape
+    local_shape, offset = compute_local_shape_and_global_offset(
+        current.shape, current.device_mesh, current.placements
+    )
+    index = tuple(
+        slice(start, start + size)
+        for start, size in zip(offset, local_shape, strict=True)
+    )
+    local = current.to_local()
+    if isinstance(value, np.ndarray):
+        # Keras' conversion: NumPy's bfloat16 and uint32, which torch lacks.
+        part = keras.ops.convert_to_tensor(value[index])
+    else:
+        part = torch.as_tensor(value)[index]
+    part = part.to(device=local.device, dtype=local.dtype).contiguous()
+    return DTensor.from_local(
+        part,
+        current.device_mesh,
+        current.placements,
+        run_check=False,
+        shape=current.shape,
+        stride=current.stride(),
     )
 
 
@@ -304,6 +329,19 @@ def _from_dtensor(error: BaseException) -> bool:
     return "DTensor" in str(error) or "sharding strateg" in str(error)
 
 
+def _attention_kernels() -> contextlib.AbstractContextManager:
+    """On CPU, `scaled_dot_product_attention` through its math kernel: DTensor
+    (torch 2.13) has no sharding rule for the backward of the CPU
+    flash-attention kernel torch picks otherwise (Keras' MultiHeadAttention,
+    KerasHub's attention), and the math kernel is made of ops it shards. The
+    result is the same attention, up to float rounding."""
+    if _device_type() != "cpu":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 class ShardedRun:
     """One model's variables sharded as DTensors, from `start()` to `stop()`.
 
@@ -320,6 +358,9 @@ class ShardedRun:
         self._hooks: list[Any] = []
         self._layers: list[Any] = []  # the layers being called, innermost last
         self._depth = 0
+        # Variables split along the batch axis, gathered while their layer runs:
+        # id -> (variable, its sharded Parameter, how many calls hold it).
+        self._gathered: dict[int, list[Any]] = {}
 
     # -- variables -------------------------------------------------------------
     def _planned(self) -> list[tuple[Any, Any]]:
@@ -422,6 +463,7 @@ class ShardedRun:
 
         def enter(layer: Any, args: Any) -> Any:
             self._layers.append(layer)
+            self._gather_own_variables(layer)
             if layer is self.model and batch_placements is not None:
                 return keras.tree.map_structure(split_rows, args)
             return None
@@ -429,6 +471,7 @@ class ShardedRun:
         def leave(layer: Any, args: Any, outputs: Any) -> Any:
             if self._layers and self._layers[-1] is layer:
                 self._layers.pop()
+            self._release_own_variables(layer)
             if layer is self.model:
                 # Losses, metrics and predictions see plain, full tensors.
                 return keras.tree.map_structure(to_full, outputs)
@@ -437,6 +480,57 @@ class ShardedRun:
         for layer in layers_of(self.model):
             self._hooks.append(layer.register_forward_pre_hook(enter))
             self._hooks.append(layer.register_forward_hook(leave))
+
+    # -- FSDP: whole weights while their layer runs -----------------------------
+    def _batch_axis_index(self) -> int | None:
+        if self.distribution.num_model_replicas <= 1:
+            return None
+        names = list(self.distribution.device_mesh.axis_names)
+        return names.index(self.distribution.batch_dim_name)
+
+    def _gather_own_variables(self, layer: Any) -> None:
+        """Gather the layer's trainable variables that are split along the batch
+        axis (FSDP) before its call, so its ops see whole weights (still split
+        along any model axis) and batch rows split along the same axis: no
+        collective inside the op. The gather is part of autograd: its backward
+        reduce-scatters each gradient onto this process' part, as FSDP does.
+        Without this, DTensor picks per-op strategies for rows and weights split
+        along one axis, which cost more communication."""
+        index = self._batch_axis_index()
+        if index is None:
+            return
+        for variable in internals.own_trainable_variables(layer):
+            held = self._gathered.get(id(variable))
+            if held is not None:
+                held[2] += 1
+                continue
+            value = internals.variable_storage(variable)
+            if not isinstance(value, DTensor) or not isinstance(
+                value.placements[index], Shard
+            ):
+                continue
+            whole = list(value.placements)
+            whole[index] = Replicate()
+            gathered = value.redistribute(self.mesh, tuple(whole))
+            self._gathered[id(variable)] = [variable, value, 1]
+            internals.set_variable_storage(variable, gathered)
+
+    def _release_own_variables(self, layer: Any) -> None:
+        for variable in internals.own_trainable_variables(layer):
+            held = self._gathered.get(id(variable))
+            if held is None:
+                continue
+            held[2] -= 1
+            if held[2] == 0:
+                internals.set_variable_storage(variable, held[1])
+                del self._gathered[id(variable)]
+
+    def _release_all_variables(self) -> None:
+        """After a step, every variable holds its own part again (a layer that
+        raised never reached its forward hook)."""
+        for variable, sharded, _ in self._gathered.values():
+            internals.set_variable_storage(variable, sharded)
+        self._gathered.clear()
 
     def _sharded_layouts(self) -> dict[str, tuple]:
         return {
@@ -493,7 +587,7 @@ class ShardedRun:
         if filtering:
             keras.config.disable_traceback_filtering()
         try:
-            with implicit_replication():
+            with implicit_replication(), _attention_kernels():
                 yield
         except NotImplementedError:
             raise
@@ -503,6 +597,7 @@ class ShardedRun:
             raise self._failure(error) from error
         finally:
             self._depth -= 1
+            self._release_all_variables()
             if filtering:
                 keras.config.enable_traceback_filtering()
 

@@ -91,6 +91,12 @@ def check() -> list[str]:
     if any(not hasattr(v, "aggregation") for v in metric.variables):
         missing.append("Variable.aggregation")
     missing += _check_variable_storage()
+    dense = keras.layers.Dense(2)
+    dense.build((None, 3))
+    if not hasattr(dense, "_trainable_variables") or [
+        id(v) for v in own_trainable_variables(dense)
+    ] != [id(dense.kernel), id(dense.bias)]:
+        missing.append("Layer._trainable_variables (a layer's own variables)")
     mark_metric_states([metric.variables[0]], per_process=True)
     if not metric_state_is_per_process(metric.variables[0]):
         missing.append("an attribute set on a Keras Variable")
@@ -407,6 +413,12 @@ def set_variable_storage(variable: Any, parameter: Any) -> None:
     variable._value = parameter
 
 
+def own_trainable_variables(layer: Any) -> list[Any]:
+    """The trainable variables `layer` created itself (`add_weight`), not
+    those of its sublayers (`Layer._trainable_variables`)."""
+    return list(layer._trainable_variables)
+
+
 def retrack_parameters(model: Any) -> None:
     """Point each layer's torch parameters (`model.parameters()`, what
     `zero_grad` clears) at its variables' current values."""
@@ -436,17 +448,31 @@ def convert_variables_to_numpy_via(convert: Callable[[Any], Any]) -> Callable:
 
 def assign_variables_via(place: Callable[[Any, Any], Any]) -> Callable[[], None]:
     """Make `variable.assign(value)` write `place(current value, value)`, e.g. a
-    plain value laid out like a DTensor variable; return the undo."""
+    plain value laid out like a DTensor variable; return the undo.
+
+    A NumPy value (what `load_weights` and `set_weights` assign) reaches
+    `place` as it is: Keras would first copy all of it onto its device."""
     cls = torch_core.Variable
     original = cls.__dict__["_direct_assign"]
+    original_convert = cls.__dict__["_convert_to_tensor"]
 
     def _direct_assign(self: Any, value: Any) -> None:
         original(self, place(self.value, value))
 
+    def _convert_to_tensor(self: Any, value: Any, dtype: Any = None) -> Any:
+        current = getattr(self, "_value", None)
+        if isinstance(value, np.ndarray) and current is not None:
+            placed = place(current, value)
+            if placed is not value:
+                return placed
+        return original_convert(self, value, dtype)
+
     cls._direct_assign = _direct_assign
+    cls._convert_to_tensor = _convert_to_tensor
 
     def restore() -> None:
         cls._direct_assign = original
+        cls._convert_to_tensor = original_convert
 
     return restore
 
@@ -460,6 +486,8 @@ def _check_variable_storage() -> list[str]:
         missing.append("keras.src.backend.torch.core.Variable.__array__")
     elif "_direct_assign" not in torch_core.Variable.__dict__:
         missing.append("keras.src.backend.torch.core.Variable._direct_assign")
+    elif "_convert_to_tensor" not in torch_core.Variable.__dict__:
+        missing.append("keras.src.backend.torch.core.Variable._convert_to_tensor")
     if not hasattr(variable, "_value"):
         missing.append("Variable._value")
     if not hasattr(torch_core, "convert_to_numpy"):
