@@ -80,6 +80,11 @@ def uninterrupted(tmp_path_factory):
     return {"weights": _weights(results[0]), "epochs": _epoch_logs(state)}
 
 
+# The launcher, kd.Checkpoint's commit protocol and the preemption agreement are
+# the same code on every backend, and each backend's engine resumes in
+# test_checkpoint_kill.py / test_checkpoint_<backend>.py: one backend here,
+# for CI time.
+@pytest.mark.backend("jax")
 def test_a_killed_then_preempted_job_ends_as_an_uninterrupted_one(
     uninterrupted, tmp_path
 ):

@@ -208,29 +208,38 @@ def _assert_trains_like_one_process(results: list[dict], reference: dict) -> Non
     assert results[0]["history"] == results[1]["history"]
 
 
-def _run_loader_job(kind: str, tmp_path) -> tuple[list[dict], dict]:
+@pytest.fixture(scope="module")
+def loader_jobs(tmp_path_factory):
+    """fit on a shuffled DataLoader (2 loader workers a process), one with
+    drop_last and one over an IterableDataset: in 2 processes and in 1."""
+    output_dir = tmp_path_factory.mktemp("torch_loaders")
     results = run_job(
         "torch_worker.py",
-        [f"loader_{kind}"],
+        ["loaders"],
         processes=2,
         env=TORCH,
-        output_dir=tmp_path / "two",
+        output_dir=output_dir / "two",
     )
     (reference,) = run_job(
         "torch_worker.py",
-        [f"loader_{kind}"],
+        ["loaders"],
         processes=1,
         env=TORCH,
-        output_dir=tmp_path / "one",
+        output_dir=output_dir / "one",
     )
     return results, reference
 
 
+def _run_loader_job(kind: str, loader_jobs) -> tuple[list[dict], dict]:
+    results, reference = loader_jobs
+    return [result[kind] for result in results], reference[kind]
+
+
 @pytest.mark.parametrize("kind", ["shuffled", "drop_last"])
-def test_each_process_loads_only_its_rows_of_a_data_loader(kind, tmp_path):
+def test_each_process_loads_only_its_rows_of_a_data_loader(kind, loader_jobs):
     """37 samples in global batches of 12: [12, 12, 12, 1], or [12, 12, 12]
     with drop_last; "shuffled" loads through 2 loader workers per process."""
-    results, reference = _run_loader_job(kind, tmp_path)
+    results, reference = _run_loader_job(kind, loader_jobs)
     _assert_trains_like_one_process(results, reference)
     kept = 37 if kind == "shuffled" else 36
     ours = [_loads_by_epoch(result) for result in results]
@@ -256,11 +265,11 @@ def test_each_process_loads_only_its_rows_of_a_data_loader(kind, tmp_path):
 
 
 def test_a_data_loader_over_an_iterable_dataset_is_read_whole_by_each_process(
-    tmp_path,
+    loader_jobs,
 ):
     """It cannot be split by index: each process loads every sample and keeps
     its rows of each global batch; training still matches one process."""
-    results, reference = _run_loader_job("iterable", tmp_path)
+    results, reference = _run_loader_job("iterable", loader_jobs)
     _assert_trains_like_one_process(results, reference)
     for result in results:
         assert result["loads"] == [[epoch, list(range(37))] for epoch in range(3)]

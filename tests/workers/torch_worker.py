@@ -221,6 +221,14 @@ def main() -> None:
         import torch_model_parallel
 
         result = torch_model_parallel.run(scenario)
+    elif scenario == "loaders":
+        # Every DataLoader kind in one job: one start-up instead of three.
+        result = {
+            kind: loader_training(
+                kind, pathlib.Path(output).with_suffix(f".{kind}.loads.jsonl")
+            )
+            for kind in ("shuffled", "drop_last", "iterable")
+        }
     elif scenario.startswith("loader_"):
         record = pathlib.Path(output).with_suffix(".loads.jsonl")
         result = loader_training(scenario.removeprefix("loader_"), record)
