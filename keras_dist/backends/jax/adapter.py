@@ -414,7 +414,8 @@ def _built_shard_by_shard(variable: Any, value: Any, layout: Any) -> Any:
     return jax.make_array_from_callback(
         value.shape,
         layout,
-        lambda index: np.ascontiguousarray(value[index], dtype=dtype),
+        # np.array keeps a 0-d value 0-d (ascontiguousarray makes it 1-d).
+        lambda index: np.array(value[index], dtype=dtype, order="C"),
     )
 
 
