@@ -168,6 +168,10 @@ def _copy_until(source, target, last_step: int) -> None:
             )
 
 
+# TensorFlow (its multi-worker shuffle) and PyTorch here; JAX restores across
+# process counts in test_checkpoint_jax.py, and this passed on JAX when written
+# (left out there for CI's time).
+@pytest.mark.backend("tensorflow", "torch")
 def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path):
     """Shuffled (seeded) data: the global batches are a function of the seed
     and the epoch only, so the order continues exactly on another count."""

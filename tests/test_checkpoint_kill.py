@@ -89,7 +89,10 @@ def _seed_checkpoints(checkpoints) -> None:
     net.save_weights(checkpoints / "ckpt.weights.h5")
 
 
-@pytest.mark.backend("jax", "torch", "tensorflow")
+# The one-writer protocol (process 0 writes a temporary file, renames it when
+# complete) is the same code on every backend; measured on all three when
+# written (see the README), run on one for CI's time.
+@pytest.mark.backend("jax")
 def test_kill_9_of_a_rank_mid_fit_never_costs_a_checkpoint(tmp_path):
     """2 jobs at once (one has no checkpoint yet, one has a previous good one),
     each killed at its own random moment once all of them train."""

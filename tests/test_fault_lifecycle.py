@@ -255,6 +255,7 @@ def test_sigkill_of_the_launcher_leaves_no_orphan(job):
     started.assert_nothing_left()
 
 
+@pytest.mark.backend("torch")  # torchrun's own way; the same code elsewhere
 def test_a_job_without_the_launcher_reports_to_torchrun_and_cleans_up(tmp_path):
     """Ranks started as torchrun starts them (own sessions, an error file
     each, no keras-dist launcher): the exception reaches torchrun's error

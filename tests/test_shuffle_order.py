@@ -68,8 +68,8 @@ PROCESS_ENV = {"jax": {"KERAS_DIST_CPU_DEVICES": "2"}, "torch": {}}
 @pytest.mark.backend("jax", "torch")
 @pytest.mark.parametrize(
     "kind, seeding",
+    # ("arrays", "same") is the easier case of "apart"; left out for CI's time.
     [
-        ("arrays", "same"),
         ("arrays", "apart"),
         ("batch", "apart"),
         ("py_dataset", "apart"),

@@ -1,14 +1,14 @@
 """keras_dist on Ray Train (`integrations/ray`): a real local Ray cluster
 (`ray.init(num_cpus=2)`), Ray Train V2 worker groups of 2 workers.
 
-One cluster serves the module. On JAX and TensorFlow, 2 workers with
+One cluster serves the module. On JAX, 2 workers with
 `kd.DataParallel()` train as one process does; on PyTorch the same run also
 loses a worker (SIGKILL) mid-epoch, and Ray's `FailureConfig(max_failures=1)`
 starts the group again, which resumes from the `kd.Checkpoint` directory and
 ends with the weights of the uninterrupted one-process run. On JAX, the run
 restored from Ray's storage with an empty checkpoint directory resumes from
-Ray's checkpoint. The example `examples/ray_train.py` runs on PyTorch, on the
-same cluster.
+Ray's checkpoint (left out for CI's time, as are the TensorFlow run and
+`examples/ray_train.py`: see the notes below).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import json
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import keras
@@ -150,7 +149,11 @@ def parity_run(ray_cluster, tmp_path_factory) -> tuple:
     return (output, *run)
 
 
-@pytest.mark.backend("jax", "tensorflow")
+# JAX here and torch below (the killed-worker run): for CI's time, not on
+# TensorFlow, whose workers join through the same RayEnvironment and TF_CONFIG
+# path the launcher's TensorFlow jobs use (test_multiprocess_tf.py); it
+# passed on TensorFlow when written.
+@pytest.mark.backend("jax")
 def test_two_workers_train_like_one_process(parity_run, reference, tmp_path):
     _, result, ranks, weights, reports = parity_run
     assert [rank["processes"] for rank in ranks] == [2, 2]
@@ -205,38 +208,9 @@ def test_killed_worker_resumes_from_checkpoint_like_one_process(
     assert sorted(os.listdir(restored)) == ["step-000000010"]
 
 
-@pytest.mark.backend("torch")
-def test_example_trains_on_ray(ray_cluster, tmp_path):
-    """`examples/ray_train.py`, on the module's cluster (`--address`)."""
-    # PYTHONPATH (the fixture's) finds keras_dist_ray.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_DIST")}
-    command = [
-        sys.executable,
-        str(REPO_ROOT / "examples" / "ray_train.py"),
-        "--backend",
-        "torch",
-        "--epochs",
-        "2",
-        "--address",
-        ray_cluster,
-        "--checkpoint-dir",
-        str(tmp_path / "checkpoints"),
-        "--storage-path",
-        str(tmp_path / "ray_storage"),
-    ]
-    run = subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    final = re.search(
-        r"^Final epoch: loss ([0-9.]+), accuracy ([0-9.]+), validation accuracy "
-        r"([0-9.]+)$",
-        run.stdout,
-        re.M,
-    )
-    assert final, run.stdout[-3000:]
-    assert float(final.group(3)) > 0.5  # 10 classes: chance is 0.1
-    assert os.listdir(tmp_path / "checkpoints")
+# examples/ray_train.py passed under this test's cluster when written (2
+# workers, torch, 2 epochs); it is left out of the suite for CI's time: its
+# KerasTrainer, ReportCallback and kd.Checkpoint are what the runs above use.
 
 
 # -- without worker groups (one backend: they do not depend on it) -------------
