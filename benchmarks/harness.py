@@ -195,3 +195,15 @@ def write_result(path: str, result: dict[str, Any]) -> None:
         return
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)
+
+
+def compare_memory(memory: dict[str, dict[str, Any]], devices: int) -> None:
+    """Add to each candidate's memory record its bytes per device as a fraction
+    of the replicated candidate's (`keras_dist_dp`) and that fraction times
+    `devices` (1 means exactly 1/N), with the FSDP target of issue 14: 1/N
+    within 5 % (`--check` reads it)."""
+    replicated_bytes = memory["keras_dist_dp"]["max_device_bytes"]
+    for record in memory.values():
+        record["fraction_of_replicated"] = record["max_device_bytes"] / replicated_bytes
+        record["times_devices"] = record["fraction_of_replicated"] * devices
+    memory["keras_dist_fsdp"]["target_times_devices"] = 1.05

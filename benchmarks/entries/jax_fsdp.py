@@ -47,6 +47,7 @@ import keras
 from benchmarks.harness import (
     Candidate,
     StepTimer,
+    compare_memory,
     entry_arguments,
     entry_result,
     run_interleaved,
@@ -169,12 +170,7 @@ def main() -> None:
     ):
         fit(MEMORY_STEPS, [StepTimer()])
         memory[name] = held_bytes(model)
-    replicated_bytes = memory["keras_dist_dp"]["max_device_bytes"]
-    for record in memory.values():
-        record["fraction_of_replicated"] = record["max_device_bytes"] / replicated_bytes
-        record["times_devices"] = record["fraction_of_replicated"] * devices
-    # The target: 1/N of the replicated figure within 5 % (`--check`).
-    memory["keras_dist_fsdp"]["target_times_devices"] = 1.05
+    compare_memory(memory, devices)
 
     candidates = [
         Candidate(

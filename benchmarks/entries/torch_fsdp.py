@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     Candidate,
     StepTimer,
+    compare_memory,
     entry_arguments,
     entry_result,
     run_interleaved,
@@ -258,12 +259,7 @@ def main() -> None:
         mine = torch.tensor([record["held_bytes"]], dtype=torch.int64)
         torch_distributed.all_reduce(mine, op=torch_distributed.ReduceOp.MAX)
         record["max_device_bytes"] = int(mine.item())
-    replicated_bytes = memory["keras_dist_dp"]["max_device_bytes"]
-    for record in memory.values():
-        record["fraction_of_replicated"] = record["max_device_bytes"] / replicated_bytes
-        record["times_devices"] = record["fraction_of_replicated"] * world_size
-    # The target: 1/N of the replicated figure within 5 % (`--check`).
-    memory["keras_dist_fsdp"]["target_times_devices"] = 1.05
+    compare_memory(memory, world_size)
 
     candidates = [
         Candidate(
