@@ -7,8 +7,15 @@ runs set `KERAS_DIST_CPU_DEVICES=8` so that 8 simulated CPU devices exist.
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import keras
 import pytest
+
+# Worker modules imported in-process (`tests.workers.x`) share helpers with the
+# worker scripts, which import them by plain name (`import worker_seed`).
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "workers"))
 
 BACKEND = keras.backend.backend()
 

@@ -20,6 +20,7 @@ import sys
 
 import keras
 import numpy as np
+import worker_seed
 
 import keras_dist as kd
 
@@ -28,7 +29,7 @@ ROWS, BATCH = 64, 8
 
 
 def build() -> keras.Model:
-    keras.utils.set_random_seed(11)
+    worker_seed.set_random_seed(11)
     inputs = keras.Input((FEATURES,), name="x")
     hidden = keras.layers.Dense(UNITS, activation="relu", name="wide")(inputs)
     outputs = keras.layers.Dense(1, name="out")(hidden)

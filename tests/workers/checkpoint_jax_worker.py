@@ -30,6 +30,7 @@ import keras_dist as kd  # isort: skip
 
 import keras
 import numpy as np
+import worker_seed
 
 from keras_dist._keras_compat import saveable_variables
 from keras_dist.backends import get_adapter
@@ -40,7 +41,7 @@ FEATURES, HIDDEN, BATCH = 64, 256, 16
 
 
 def model(seed: int = 1) -> keras.Model:
-    keras.utils.set_random_seed(seed)
+    worker_seed.set_random_seed(seed)
     net = keras.Sequential(
         [
             keras.Input((FEATURES,)),

@@ -22,12 +22,13 @@ import keras_dist as kd  # isort: skip
 
 import keras
 import numpy as np
+import worker_seed
 
 BATCH = 8
 
 
 def model(seed: int) -> keras.Model:
-    keras.utils.set_random_seed(seed)
+    worker_seed.set_random_seed(seed)
     net = keras.Sequential(
         [
             keras.Input((6,)),

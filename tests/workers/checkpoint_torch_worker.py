@@ -22,6 +22,7 @@ import sys
 
 import keras
 import numpy as np
+import worker_seed
 
 import keras_dist as kd
 from keras_dist._keras_compat import saveable_variables
@@ -31,7 +32,7 @@ HIDDEN = 64
 
 def build(seed: int) -> keras.Model:
     """A small model with a Dropout (a seed generator) and Adam (slots)."""
-    keras.utils.set_random_seed(seed)
+    worker_seed.set_random_seed(seed)
     model = keras.Sequential(
         [
             keras.Input((6,)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import worker_seed
 
 import keras_dist as kd
 
@@ -15,7 +16,7 @@ def train(distribution: kd.Distribution | None) -> list[list]:
     rng = np.random.default_rng(3)
     x = rng.normal(size=(40, 5)).astype("float32")
     y = (x @ rng.normal(size=(5, 1))).astype("float32")
-    keras.utils.set_random_seed(7)
+    worker_seed.set_random_seed(7)
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     callbacks = [] if distribution is None else [kd.DistributeCallback(distribution)]

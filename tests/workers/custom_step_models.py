@@ -15,6 +15,7 @@ from typing import Any
 
 import keras
 import numpy as np
+import worker_seed
 from keras import ops
 
 import keras_dist as kd
@@ -326,7 +327,7 @@ def train(name: str, distribution: Any = None) -> dict:
     """Train scenario `name` (plain Keras when `distribution` is None)."""
     callbacks = _callbacks(distribution)
     x, y, weights = data()
-    keras.utils.set_random_seed(7)
+    worker_seed.set_random_seed(7)
     result: dict = {}
     fit_kwargs: dict = {"batch_size": BATCH, "epochs": EPOCHS, "shuffle": False}
     if name == "guide":

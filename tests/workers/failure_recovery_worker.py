@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
+import worker_seed
+
 import keras_dist as kd
 
 kd.initialize()
@@ -28,7 +30,7 @@ class RaiseAtBatchOne(keras.callbacks.Callback):
 
 
 def model() -> keras.Model:
-    keras.utils.set_random_seed(1)
+    worker_seed.set_random_seed(1)
     net = keras.Sequential(
         [
             keras.Input((5,)),

@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+import worker_seed
+
 import keras_dist as kd
 
 kd.initialize()
@@ -62,7 +64,7 @@ def main() -> None:
     record(f"pid-{RANK}-grandchild", grandchild.pid)
     record(f"pid-{RANK}", os.getpid())
     tempfile.mkdtemp()  # as Keras' saving does; the job must remove it
-    keras.utils.set_random_seed(1)
+    worker_seed.set_random_seed(1)
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(1)]
     )

@@ -16,6 +16,8 @@ import pathlib
 import sys
 import time
 
+import worker_seed
+
 import keras_dist as kd
 
 kd.initialize()
@@ -46,7 +48,7 @@ class SleepOnRankOne(keras.callbacks.Callback):
 
 def main() -> None:
     record(f"pid-{RANK}", os.getpid())
-    keras.utils.set_random_seed(1)
+    worker_seed.set_random_seed(1)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse")
     x = np.ones((64, 4), "float32")

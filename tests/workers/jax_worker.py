@@ -11,6 +11,8 @@ import json
 import pathlib
 import sys
 
+import worker_seed
+
 import keras_dist as kd
 
 kd.initialize()
@@ -105,7 +107,7 @@ def seen_ids(kind: str) -> list[list[float]]:
 
 
 def train() -> dict:
-    keras.utils.set_random_seed(5)
+    worker_seed.set_random_seed(5)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(45, 6)).astype("float32")
     y = rng.integers(0, 3, size=(45,))
@@ -152,7 +154,7 @@ def train() -> dict:
 
 
 def _own_data_model() -> keras.Model:
-    keras.utils.set_random_seed(9)
+    worker_seed.set_random_seed(9)
     model = keras.Sequential(
         [
             keras.Input((6,)),

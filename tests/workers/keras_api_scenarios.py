@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import worker_seed
 
 import keras_dist as kd
 
@@ -29,7 +30,7 @@ class Regressor(kd.Trainer, keras.Model):
 
 
 def regressor(*, trainer: bool) -> keras.Model:
-    keras.utils.set_random_seed(3)
+    worker_seed.set_random_seed(3)
     inputs = keras.Input((4,))
     outputs = keras.layers.Dense(1, name="linear")(inputs)
     model = (Regressor if trainer else keras.Model)(inputs, outputs)
@@ -44,7 +45,7 @@ def classification_data() -> tuple[np.ndarray, np.ndarray]:
 
 
 def classifier() -> keras.Model:
-    keras.utils.set_random_seed(1)
+    worker_seed.set_random_seed(1)
     model = keras.Sequential(
         [
             keras.Input((6,)),

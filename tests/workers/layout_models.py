@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import worker_seed
 
 import keras_dist as kd
 
@@ -35,7 +36,7 @@ def _compile(model: keras.Model) -> keras.Model:
 def attention_model(*, conv: bool = True) -> keras.Model:
     """Embedding -> (Conv1D ->) MultiHeadAttention -> Dense -> Dense -> head,
     with per-position logits over the vocabulary."""
-    keras.utils.set_random_seed(3)
+    worker_seed.set_random_seed(3)
     token_ids = keras.Input((SEQUENCE,), dtype="int32", name="token_ids")
     hidden = keras.layers.Embedding(VOCABULARY, 8, name="embedding")(token_ids)
     if conv:
@@ -52,7 +53,7 @@ def causal_lm(kind: str, *, key_value_heads: int = 2) -> keras.Model:
     preprocessor; its backbone is `model.backbone`)."""
     import keras_hub
 
-    keras.utils.set_random_seed(5)
+    worker_seed.set_random_seed(5)
     common = {
         "vocabulary_size": VOCABULARY,
         "num_layers": 1,

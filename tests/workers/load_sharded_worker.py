@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import sys
 
+import worker_seed
+
 import keras_dist as kd
 
 kd.initialize()
@@ -74,7 +76,7 @@ class LoadWhenTrainingBegins(keras.callbacks.Callback):
 
 
 def main(weights_path: str, output: str) -> None:
-    keras.utils.set_random_seed(7)
+    worker_seed.set_random_seed(7)
     model = wide_model()
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     mesh = kd.DeviceMesh((1, kd.num_processes()), ["batch", "model"])

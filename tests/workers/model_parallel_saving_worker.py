@@ -16,12 +16,13 @@ import sys
 
 import keras
 import numpy as np
+import worker_seed
 
 import keras_dist as kd
 
 
 def build() -> keras.Model:
-    keras.utils.set_random_seed(4)
+    worker_seed.set_random_seed(4)
     net = keras.Sequential(
         [
             keras.Input((8,)),

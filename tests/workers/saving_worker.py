@@ -20,6 +20,8 @@ import json
 import os
 import sys
 
+import worker_seed
+
 import keras_dist as kd
 
 kd.initialize()
@@ -37,7 +39,7 @@ def data() -> tuple[np.ndarray, np.ndarray]:
 
 
 def model(seed: int) -> keras.Model:
-    keras.utils.set_random_seed(seed)
+    worker_seed.set_random_seed(seed)
     net = keras.Sequential(
         [
             keras.Input((4,)),

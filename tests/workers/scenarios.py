@@ -10,6 +10,7 @@ import time
 
 import keras
 import numpy as np
+import worker_seed
 
 import keras_dist as kd
 
@@ -57,7 +58,7 @@ def train(
     """fit (with validation), predict and evaluate the classification model
     under `kd.DataParallel()`; what the parity tests compare."""
     # Different seeds on purpose: process 0's weights must win everywhere.
-    keras.utils.set_random_seed(100 + kd.process_id())
+    worker_seed.set_random_seed(100 + kd.process_id())
     model = classification_model(batch_norm)  # built before the distribution
     result = fit_predict_evaluate(
         model,

@@ -11,6 +11,7 @@ import random
 
 import keras
 import numpy as np
+import worker_seed
 
 SAMPLES = 37  # divides neither the batch nor the device or process counts
 BATCH = 8
@@ -66,7 +67,7 @@ def fit_kwargs(kind: str) -> dict:
 def train(kind: str, callbacks: list) -> dict:
     """Seed, build, `fit` 2 epochs; the weights and the next draw of each global
     generator (they must have advanced exactly as in plain Keras)."""
-    keras.utils.set_random_seed(SEED)
+    worker_seed.set_random_seed(SEED)
     trained = model()
     trained.fit(**fit_kwargs(kind), epochs=2, verbose=0, callbacks=callbacks)
     return {

@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import scenarios
 import torch
+import worker_seed
 from torch.distributed.tensor import DTensor
 
 import keras_dist as kd
@@ -78,7 +79,7 @@ def train(sharded: bool, batch: int = 1, fsdp: bool = False) -> dict:
     DataParallel (`sharded=False`, the reference: the same shuffle stream,
     nothing sharded)."""
     # Different seeds on purpose: process 0's weights must win everywhere.
-    keras.utils.set_random_seed(100 + kd.process_id())
+    worker_seed.set_random_seed(100 + kd.process_id())
     x, _ = scenarios.classification_data()
     model = scenarios.classification_model()
     if fsdp:
@@ -136,7 +137,7 @@ def train(sharded: bool, batch: int = 1, fsdp: bool = False) -> dict:
 
 def _conv_fit(layouts: dict[str, tuple]) -> dict:
     """fit a Conv2D whose variables `layouts` shard on their output channels."""
-    keras.utils.set_random_seed(1)
+    worker_seed.set_random_seed(1)
     mesh = kd.DeviceMesh((1, kd.num_processes()), ["batch", "model"])
     layout_map = kd.LayoutMap(mesh)
     for key, axes in layouts.items():
@@ -189,7 +190,7 @@ def callbacks_and_errors() -> dict:
             self.model.set_weights(self.model.get_weights())
 
     def fit(distribution: kd.Distribution | None) -> list:
-        keras.utils.set_random_seed(7)
+        worker_seed.set_random_seed(7)
         model = scenarios.classification_model()
         callbacks = [
             keras.callbacks.EarlyStopping(
@@ -213,7 +214,7 @@ def callbacks_and_errors() -> dict:
                 raise ValueError("the model's own check failed")
             return inputs
 
-    keras.utils.set_random_seed(7)
+    worker_seed.set_random_seed(7)
     failing = keras.Sequential(
         [keras.Input((6,)), keras.layers.Dense(16, name="dense"), Check()]
     )

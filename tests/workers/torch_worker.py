@@ -9,6 +9,8 @@ import json
 import pathlib
 import sys
 
+import worker_seed
+
 import keras_dist as kd
 
 kd.initialize()
@@ -114,7 +116,7 @@ def loader_training(kind: str, record: pathlib.Path) -> dict:
         dataset, batch_size=12, **_loader_options(kind)
     )
     # Different seeds on purpose: process 0's weights and shuffle must win.
-    keras.utils.set_random_seed(100 + kd.process_id())
+    worker_seed.set_random_seed(100 + kd.process_id())
     model = scenarios.classification_model(batch_norm=False)
     distribution = kd.DataParallel()
     history = model.fit(
