@@ -124,6 +124,14 @@ ENTRIES: dict[str, Entry] = {
             for devices in (8, 4, 2)
         ),
         Entry(
+            name="throughput_overhead",
+            backend="jax",
+            description="kd.callbacks.Throughput, 8 simulated CPU devices: "
+            "the same DataParallel fit with and without it",
+            timeout_s=400.0,
+            target=1.01,
+        ),
+        Entry(
             name="torch_fsdp",
             backend="torch",
             description="FSDP, 2 processes (gloo, CPU): kd.FSDP (DTensor) vs a "

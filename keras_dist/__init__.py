@@ -15,7 +15,7 @@ from keras_dist import _device_simulation
 # Simulated devices must be configured before the backend runtime starts.
 _device_simulation.apply_from_environment()
 
-from keras_dist import layouts  # noqa: E402
+from keras_dist import callbacks, flops, layouts, schedules  # noqa: E402
 from keras_dist.callback import DistributeCallback  # noqa: E402
 from keras_dist.checkpoint import Checkpoint, export, restore  # noqa: E402
 from keras_dist.layout_map import LayoutMap  # noqa: E402
@@ -34,6 +34,7 @@ from keras_dist.runtime import (  # noqa: E402
     num_processes,
     process_id,
 )
+from keras_dist.schedules import scale_learning_rate  # noqa: E402
 from keras_dist.state import (  # noqa: E402
     distribute_tensor,
     distribution,
@@ -56,9 +57,11 @@ __all__ = [
     "Problem",
     "TensorLayout",
     "Trainer",
+    "callbacks",
     "distribute_tensor",
     "distribution",
     "export",
+    "flops",
     "layouts",
     "get_device_count",
     "initialize",
@@ -67,5 +70,7 @@ __all__ = [
     "num_processes",
     "process_id",
     "restore",
+    "scale_learning_rate",
+    "schedules",
     "set_distribution",
 ]

@@ -10,7 +10,9 @@ import contextlib
 import functools
 import inspect
 import threading
+import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -505,6 +507,36 @@ def layers_of(model: Any) -> list[Any]:
     return list(model._flatten_layers(include_self=True, recursive=True))
 
 
+def sublayers(layer: Any) -> list[Any]:
+    """The layers `layer` holds directly (for `keras_dist.flops`)."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def graph_calls(model: Any) -> dict[int, int] | None:
+    """How many times `model`'s graph calls each layer, by `id`, for a
+    functional model or a Sequential built as one; None for other layers."""
+    from keras.src.models.functional import Functional  # noqa: PLC0415
+
+    graph = getattr(model, "_functional", None) or model
+    if not isinstance(graph, Functional):
+        return None
+    calls: dict[int, int] = {}
+    for nodes in graph._nodes_by_depth.values():
+        for node in nodes:
+            calls[id(node.operation)] = calls.get(id(node.operation), 0) + 1
+    return calls
+
+
+def grouped_attention_projections(layer: Any) -> dict[str, Any]:
+    """The `EinsumDense` projections of a `GroupQueryAttention` layer."""
+    return {
+        "query": layer._query_dense,
+        "key": layer._key_dense,
+        "value": layer._value_dense,
+        "output": layer._output_dense,
+    }
+
+
 class GlobalBatchNorm:
     """BatchNormalization's training statistics over the real rows of the batch.
 
@@ -795,6 +827,32 @@ def check() -> list[str]:
     missing += _check_saving()
     missing += _check_row_aware_metrics()
     missing += _check_resume()
+    missing += _check_flop_walk()
+    return missing
+
+
+def _check_flop_walk() -> list[str]:
+    """What `sublayers`, `graph_calls` and `grouped_attention_projections`
+    (keras_dist.flops) need."""
+    missing = []
+    inputs = keras.Input((3,))
+    shared = keras.layers.Dense(3)
+    model = keras.Model(inputs, shared(shared(inputs)))
+    if (graph_calls(model) or {}).get(id(shared)) != 2:
+        missing.append("Functional._nodes_by_depth nodes with .operation")
+    sequential = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    if graph_calls(sequential) is None:
+        missing.append("Sequential._functional")
+    if not set(map(id, sequential.layers)) <= set(map(id, sublayers(sequential))):
+        missing.append("Layer._flatten_layers(include_self=False, recursive=False)")
+    attention = keras.layers.GroupQueryAttention(2, 2, 1)
+    attention.build((None, 4, 4), (None, 4, 4))
+    try:
+        projections = list(grouped_attention_projections(attention).values())
+    except AttributeError:
+        projections = []
+    if [type(layer) for layer in projections] != [keras.layers.EinsumDense] * 4:
+        missing.append("GroupQueryAttention._query_dense/_key_dense/...")
     return missing
 
 
@@ -1036,7 +1094,56 @@ def _new_iterator(self: Any) -> Iterator[Any]:
     iterator = iter(self._get_iterator())
     for _, after in list(_iterator_watcher):
         after()
+    if _batch_read_timers:
+        return _timed_reads(iterator)
     return iterator
+
+
+# What to call with the seconds each `next()` on an epoch's data iterator took
+# (see `time_batch_reads`): weak references, so a callback that a raising
+# `fit` never told to stop is dropped with its last user reference.
+_batch_read_timers: list[Callable[[], Callable[[float], None] | None]] = []
+
+
+def time_batch_reads(record: Callable[[float], None]) -> Callable[[], None]:
+    """Call `record(seconds)` after each batch read from the epoch iterators
+    `fit`, `evaluate` and `predict` make from now on (a `next()` on the data
+    iterator), until the returned function is called or `record`'s object
+    (a bound method's) is gone. Only for backends whose steps read their
+    batches in Python: a TensorFlow step reads its batches inside its
+    compiled function, from the iterator object itself."""
+    _install_epoch_start()
+    reference: Callable[[], Callable[[float], None] | None]
+    if inspect.ismethod(record):
+        reference = weakref.WeakMethod(record)
+    else:
+        reference = lambda: record  # noqa: E731
+    _batch_read_timers.append(reference)
+
+    def stop() -> None:
+        with contextlib.suppress(ValueError):
+            _batch_read_timers.remove(reference)
+
+    return stop
+
+
+def _timed_reads(iterator: Iterator[Any]) -> Iterator[Any]:
+    clock = time.perf_counter
+    while True:
+        start = clock()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        seconds = clock() - start
+        for reference in list(_batch_read_timers):
+            record = reference()
+            if record is None:
+                with contextlib.suppress(ValueError):
+                    _batch_read_timers.remove(reference)
+            else:
+                record(seconds)
+        yield batch
 
 
 def _enumerate_from(self: Any, start: int) -> Iterator[Any]:

@@ -2,7 +2,9 @@
 `steps_per_execution` under keras_dist, compared with plain Keras on one device.
 
 One process: 4 simulated devices on JAX and TensorFlow (run with
-KERAS_DIST_CPU_DEVICES=8), the one-process job on PyTorch.
+KERAS_DIST_CPU_DEVICES=8), the one-process job on PyTorch. A float16 overflow
+on one replica only: 2 simulated devices on JAX and TensorFlow, a 2-process job
+on PyTorch (tests/workers/loss_scale_worker.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+from tests.multiprocess import run_job
+from tests.workers import loss_scale_worker
 
 SAMPLES = 42  # the last batch of 8 has 2 rows: padded on 4 devices
 BATCH = 8
@@ -173,3 +177,68 @@ def test_steps_per_execution_on_torch_is_keras_own_error_and_leaves_nothing_on()
     with pytest.raises(ValueError, match="must be 1 with the PyTorch backend"):
         _fit(model, [kd.DistributeCallback(_distribution())])
     assert kd.distribution() is None
+
+
+# -- a float16 overflow on one replica only ----------------------------------------
+def _assert_step_skipped_as_on_one_device(result: dict) -> None:
+    """The one-device reference skipped the overflowing first step (its loss
+    scale halved from Keras' initial 2**15, no update), then trained on; the
+    distributed training did exactly the same."""
+    reference, ours = result["one_device"], result["distributed"]
+    steps = loss_scale_worker.STEPS
+    assert (reference["dynamic_scale"], reference["iterations"]) == (2**14, steps - 1)
+    assert reference["step_counter"] == steps - 1
+    for name in ("dynamic_scale", "step_counter", "iterations"):
+        assert ours[name] == reference[name], name
+    for weights, expected in zip(ours["weights"], reference["weights"], strict=True):
+        assert np.isfinite(weights).all()
+        np.testing.assert_allclose(weights, expected, atol=FLOAT16_ATOL, rtol=0)
+
+
+class _ReplicaCopies(keras.callbacks.Callback):
+    """Each device's copy of every weight and of the loss scale, at the end of
+    the epoch (the distribution is still on)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        variables = [*self.model.weights, self.model.optimizer.dynamic_scale]
+        self.copies = [_device_copies(variable.value) for variable in variables]
+
+
+def _device_copies(value):
+    if hasattr(value, "addressable_shards"):  # a replicated JAX array
+        return [np.asarray(shard.data) for shard in value.addressable_shards]
+    return [np.asarray(copy) for copy in value.values]  # a TF MirroredVariable
+
+
+@pytest.mark.backend("jax", "tensorflow")
+def test_an_overflow_on_one_device_skips_the_step_on_every_device():
+    """2 simulated devices; the overflowing row is in device 1's half of the
+    first batch. The finiteness check must see the gradients summed over the
+    devices (on TensorFlow, Keras' LossScaleOptimizer alone checks replica 0's
+    own gradients, then applies the summed ones: NaN weights)."""
+    copies = _ReplicaCopies()
+    devices = kd.list_devices()[:2]
+    result = loss_scale_worker.run(lambda: kd.DataParallel(devices=devices), (copies,))
+    _assert_step_skipped_as_on_one_device(result)
+    for per_device in copies.copies:
+        assert len(per_device) == 2
+        np.testing.assert_array_equal(per_device[0], per_device[1])
+    assert kd.distribution() is None
+
+
+@pytest.mark.backend("torch")
+def test_an_overflow_on_rank_1_skips_the_step_on_every_rank_on_torch(tmp_path):
+    """2 processes; the overflowing row is in rank 1's half of the first batch.
+    DDP averages the gradients during backward, before the LossScaleOptimizer
+    checks them: both ranks skip the step and halve the scale alike."""
+    results = run_job(
+        "loss_scale_worker.py",
+        [],
+        processes=2,
+        env={"KERAS_BACKEND": "torch"},
+        output_dir=tmp_path,
+    )
+    for result in results:
+        _assert_step_skipped_as_on_one_device(result)
+    # Bit for bit the same weights and loss scale on both ranks.
+    assert results[0]["distributed"] == results[1]["distributed"]

@@ -30,6 +30,10 @@ class BackendAdapter(abc.ABC):
 
     #: The Keras backend name this adapter serves (`keras.backend.backend()`).
     name: str = ""
+    #: Whether Keras' train step reads each batch in Python, with `next()` on
+    #: the epoch's iterator, where keras_dist can time the read
+    #: (`keras_dist.callbacks.Throughput`); TensorFlow reads inside the step.
+    reads_batches_in_python: bool = True
 
     def __init__(self) -> None:
         # id(model) -> what undoes its activation, in the order it was done.
@@ -125,6 +129,29 @@ class BackendAdapter(abc.ABC):
         others never do. Each key is announced once: callers number them.
         By default a `barrier`, which waits on process 0 too."""
         self.barrier(key, timeout_seconds=timeout_seconds)
+
+    def gather_numbers(
+        self, values: list[float], *, timeout_seconds: float
+    ) -> list[list[float]]:
+        """Every process' `values` (as many on each), in rank order.
+
+        Every process calls it at the same point of the run (a collective,
+        numbered by the order of calls). Raises `RuntimeError` naming this
+        process when the others do not all arrive within `timeout_seconds`.
+        One process: `[values]`.
+        """
+        if self.num_processes() > 1:
+            raise NotImplementedError(
+                f"The {self.name} adapter cannot gather numbers from the other "
+                "processes."
+            )
+        return [[float(value) for value in values]]
+
+    def device_kind(self) -> str | None:
+        """What this process' first device is, as the engine names it
+        ("NVIDIA H100 80GB HBM3", "TPU v4"), "cpu" for a CPU, or None when
+        the backend does not say."""
+        return None
 
     def random_stream(self) -> Any:
         """The backend's own global random generator that Keras shuffles

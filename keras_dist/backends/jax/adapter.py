@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -197,6 +198,37 @@ class JaxAdapter(BackendAdapter):
                 )
         except Exception as error:  # jax raises XLA runtime errors here
             raise self._barrier_timed_out(key, timeout_seconds, error) from error
+
+    def gather_numbers(
+        self, values: list[float], *, timeout_seconds: float
+    ) -> list[list[float]]:
+        numbers = [float(value) for value in values]
+        if jax.process_count() == 1:
+            return [numbers]
+        # Through the coordination service's key-value store (it has a
+        # timeout, a collective over the devices has none). The keys are
+        # numbered alike on every process, as the barriers are.
+        self._gathers = getattr(self, "_gathers", 0) + 1
+        client = jax_distributed.global_state.client
+        keys = [
+            f"keras_dist:gather:{self._gathers}:{rank}"
+            for rank in range(jax.process_count())
+        ]
+        timeout_in_ms = max(1, int(timeout_seconds * 1000))
+        try:
+            client.key_value_set(keys[jax.process_index()], json.dumps(numbers))
+            return [
+                json.loads(client.blocking_key_value_get(key, timeout_in_ms))
+                for key in keys
+            ]
+        except Exception as error:  # jax raises XLA runtime errors here
+            raise self._barrier_timed_out(
+                f"gather #{self._gathers}", timeout_seconds, error
+            ) from error
+
+    def device_kind(self) -> str | None:
+        device = jax.local_devices()[0]
+        return "cpu" if device.platform == "cpu" else device.device_kind
 
     def to_backend_mesh(self, device_mesh: Any) -> Any:
         devices = np.asarray(device_mesh.devices, dtype=object)

@@ -76,6 +76,8 @@ class _MirroredStrategy(tf.distribute.MirroredStrategy):
 
 class TensorFlowAdapter(BackendAdapter):
     name = "tensorflow"
+    # Keras' step function takes the iterator and reads inside tf.function.
+    reads_batches_in_python = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -184,6 +186,33 @@ class TensorFlowAdapter(BackendAdapter):
                 f"Barrier {name!r}: {int(arrived.numpy())} of {expected} replicas "
                 "arrived."
             )
+
+    def gather_numbers(
+        self, values: list[float], *, timeout_seconds: float
+    ) -> list[list[float]]:
+        numbers = [float(value) for value in values]
+        strategy = self._multi_worker
+        if strategy is None or self._num_workers == 1:
+            return [numbers]
+        # A sum over every replica of rows that are zero but for this worker's
+        # own: one all-reduce, as `barrier` does, with the strategy's timeout.
+        rows = np.zeros((self._num_workers, len(numbers)), "float64")
+        rows[self._worker_index] = numbers
+        try:
+            mine = strategy.run(lambda: tf.constant(rows))
+            total = strategy.reduce(tf.distribute.ReduceOp.SUM, mine, axis=None)
+        except Exception as error:  # TF raises DeadlineExceeded, Unavailable...
+            raise self._barrier_timed_out("gather", timeout_seconds, error) from error
+        replicas_per_worker = strategy.num_replicas_in_sync // self._num_workers
+        return (total.numpy() / replicas_per_worker).tolist()
+
+    def device_kind(self) -> str | None:
+        for device_type in ("GPU", "TPU"):
+            devices = tf.config.list_physical_devices(device_type)
+            if devices:
+                details = tf.config.experimental.get_device_details(devices[0])
+                return details.get("device_name", device_type.lower())
+        return "cpu"
 
     # -- layouts ---------------------------------------------------------------
     def to_backend_mesh(self, device_mesh: Any) -> Any:

@@ -73,6 +73,12 @@ def check() -> list[str]:
     for name in ("_distribution_strategy", "_all_reduce_sum_gradients"):
         if not hasattr(model.optimizer, name):
             missing.append(f"TFOptimizer.{name}")
+    # Mixed precision: the inner optimizer sums the gradients (see
+    # `fuse_gradient_all_reduce`).
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    inner = getattr(scaled, "inner_optimizer", None)
+    if not hasattr(inner, "_all_reduce_sum_gradients"):
+        missing.append("LossScaleOptimizer.inner_optimizer._all_reduce_sum_gradients")
     adapter = ArrayDataAdapter(np.zeros((4, 1)), batch_size=2, shuffle=True)
     if getattr(adapter, "_shuffle", None) is not True:
         missing.append("ArrayDataAdapter._shuffle")
@@ -91,6 +97,9 @@ def check() -> list[str]:
             missing.append(f"keras.src.losses.loss.{name}")
     if not callable(getattr(tf_context, "global_seed", None)):
         missing.append("tensorflow.python.eager.context.global_seed")
+    strategy = tf.distribute.get_strategy()
+    if not callable(getattr(strategy.extended, "_use_merge_call", None)):
+        missing.append("tf.distribute StrategyExtended._use_merge_call")
     return missing
 
 
@@ -463,16 +472,75 @@ def fuse_gradient_all_reduce(optimizer: Any) -> Callable[[], None]:
     """Let the train step sum the gradients (with the metric states, in one
     all-reduce) instead of the optimizer; return the undo.
 
-    Wrapped optimizers (loss scaling) keep their own all-reduce.
+    A `LossScaleOptimizer` (mixed precision) then checks the summed gradients
+    for inf/nan, the same on every replica: an overflow on one replica makes
+    every replica skip the step and halve the loss scale together, as one
+    device does. (Left to Keras, it checks the first local replica's own
+    gradients and its inner optimizer sums and applies them all: measured,
+    another replica's overflow reaches the weights as NaN in one process, and
+    in a 2-process job the ranks decide differently and the next all-reduce
+    times out.)
     """
-    if optimizer is None or hasattr(optimizer, "inner_optimizer"):
-        return lambda: None
-    object.__setattr__(optimizer, "_all_reduce_sum_gradients", _already_summed)
+    optimizers = with_inner_optimizer(optimizer)
+    for each in optimizers:
+        object.__setattr__(each, "_all_reduce_sum_gradients", _already_summed)
 
     def undo() -> None:
-        optimizer.__dict__.pop("_all_reduce_sum_gradients", None)
+        for each in optimizers:
+            each.__dict__.pop("_all_reduce_sum_gradients", None)
 
     return undo
+
+
+def _apply_accumulating(
+    context: Any, optimizer: Any, gradients: list[Any], trainable: list[Any]
+) -> None:
+    """Apply summed gradients with `gradient_accumulation_steps` in the
+    cross-replica context.
+
+    Keras' optimizer chooses between updating the weights and adding to its
+    accumulators in a `tf.cond` whose branches update mirrored variables
+    through `merge_call`, which TensorFlow cannot run inside a condition in a
+    replica (plain Keras under `MirroredStrategy` fails so). Here the whole
+    `apply` runs once, in the cross-replica context, on the summed gradients,
+    which every replica holds alike (the first local replica's are taken);
+    each variable update still reaches every device.
+    """
+
+    def apply(strategy: Any, gradients: list[Any]) -> None:
+        local = [
+            None if g is None else strategy.experimental_local_results(g)[0]
+            for g in gradients
+        ]
+        extended = strategy.extended
+        # Keras' optimizer asks for a `merge_call` when the strategy uses
+        # them; in the cross-replica context it is not needed (nor possible).
+        extended._use_merge_call = lambda: False
+        try:
+            optimizer.apply_gradients(zip(local, trainable, strict=True))
+        finally:
+            del extended._use_merge_call
+
+    context.merge_call(apply, args=(gradients,))
+
+
+def _check_accumulation(optimizer: Any, where: str) -> None:
+    """Raise for `gradient_accumulation_steps` that would be applied inside a
+    replica, which TensorFlow cannot run (see `_apply_accumulating`)."""
+    accumulating = [
+        each.name
+        for each in with_inner_optimizer(optimizer)
+        if getattr(each, "gradient_accumulation_steps", None)
+    ]
+    if accumulating:
+        raise ValueError(
+            f"Optimizer {accumulating[0]!r} has `gradient_accumulation_steps`, "
+            f"which keras_dist cannot run on TensorFlow {where} with more than "
+            "one replica (its update inside a replica needs a `merge_call` in "
+            "a `tf.cond`, which TensorFlow rejects). Leave it out, or train "
+            "with Keras' own train_step and an optimizer not wrapped in a "
+            "LossScaleOptimizer, or use the JAX or PyTorch backend."
+        )
 
 
 def _apply_summed(model: Any, gradients: list[Any], trainable: list[Any]) -> Any:
@@ -491,7 +559,12 @@ def _apply_summed(model: Any, gradients: list[Any], trainable: list[Any]) -> Any
     total = list(gradients)
     for index, value in zip(present, summed, strict=False):
         total[index] = value
-    model.optimizer.apply_gradients(zip(total, trainable, strict=True))
+    if model.optimizer.gradient_accumulation_steps:
+        _apply_accumulating(context, model.optimizer, total, trainable)
+    else:
+        # A LossScaleOptimizer applies its inner optimizer inside the replica.
+        _check_accumulation(model.optimizer, "in a LossScaleOptimizer")
+        model.optimizer.apply_gradients(zip(total, trainable, strict=True))
     if states is None:
         return model.get_metrics_result()
     return states.results(summed[-1])
@@ -573,6 +646,9 @@ def average_in_user_steps(model: Any, strategy: Any) -> Callable[[], None]:
         for optimizer in optimizers_of(model)
         for each in with_inner_optimizer(optimizer)
     ]
+    if strategy.num_replicas_in_sync > 1:
+        for optimizer in optimizers:
+            _check_accumulation(optimizer, "in a model's own train_step")
     for optimizer in optimizers:
         optimizer._distribution_strategy = strategy
         # Its step counter and learning rate, created with it, are mirrored
@@ -645,6 +721,8 @@ def make_steps(model: Any, user_steps: set[str] = frozenset()) -> dict[str, Call
         gradients = tape.gradient(loss, trainable)
         if _sums_gradients_itself(model.optimizer):
             return _apply_summed(model, gradients, trainable)
+        if _replica_context() is not None:
+            _check_accumulation(model.optimizer, "in a LossScaleOptimizer")
         model.optimizer.apply_gradients(zip(gradients, trainable, strict=True))
         return _global_results(model)
 

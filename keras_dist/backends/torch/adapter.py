@@ -217,6 +217,32 @@ class TorchAdapter(BackendAdapter):
         except Exception as error:  # torch raises DistStoreError, RuntimeError
             raise self._barrier_timed_out(key, timeout_seconds, error) from error
 
+    def gather_numbers(
+        self, values: list[float], *, timeout_seconds: float
+    ) -> list[list[float]]:
+        world_size, rank = self._world()
+        if world_size == 1:
+            return [[float(value) for value in values]]
+        # Through the process group's key-value store: no device tensors (NCCL
+        # would need CUDA ones), nothing queued behind DDP's collectives.
+        store = torch_distributed.distributed_c10d._get_default_store()
+        self._gathers = getattr(self, "_gathers", 0) + 1
+        keys = [f"keras_dist:gather:{self._gathers}:{r}" for r in range(world_size)]
+        try:
+            store.set(keys[rank], json.dumps([float(value) for value in values]))
+            store.wait(keys, datetime.timedelta(seconds=timeout_seconds))
+            return [json.loads(store.get(key)) for key in keys]
+        except Exception as error:  # torch raises DistStoreError, RuntimeError
+            raise self._barrier_timed_out(
+                f"gather #{self._gathers}", timeout_seconds, error
+            ) from error
+
+    def device_kind(self) -> str | None:
+        device = self._device()
+        if device.type == "cuda":
+            return torch.cuda.get_device_name(device)
+        return device.type
+
     def collective_trace(self) -> str | None:
         """What torch's Flight Recorder (gloo and NCCL) kept: each process
         group's last enqueued, started and completed collective, and the
@@ -363,6 +389,9 @@ class TorchAdapter(BackendAdapter):
             average_gradients=average_gradients,
             forward=forward,
             no_grad=torch.no_grad,
+            # DDP leaves the gradients of a backward run inside this context
+            # un-reduced (gradient accumulation's micro-steps).
+            skip_gradient_sync=forward.no_sync if forward is not model else None,
         )
 
     def _broadcast_from_process_zero(self, model: Any) -> None:

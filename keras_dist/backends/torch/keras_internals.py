@@ -7,6 +7,7 @@ the collectives and the forward pass (through DistributedDataParallel).
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ class Collectives:
     average_gradients: Callable[[list[Any]], list[Any]]
     forward: Callable[..., Any]  # the model's forward through DDP
     no_grad: Callable[[], Any]
+    # A context in which backward leaves the gradients un-reduced (DDP's
+    # `no_sync`); None when nothing reduces them during backward.
+    skip_gradient_sync: Callable[[], Any] | None = None
 
 
 def check() -> list[str]:
@@ -102,6 +106,7 @@ def check() -> list[str]:
         missing.append("an attribute set on a Keras Variable")
     if not hasattr(keras_distribution_lib, "distribution_lib"):
         missing.append("keras.src.distribution.distribution_lib.distribution_lib")
+    missing += _check_gradient_accumulation()
     return missing
 
 
@@ -289,6 +294,74 @@ def _user_step(
         return getattr(type(model), step)(model, data_for_step(batch.data, rows))
 
 
+# -- gradient accumulation -------------------------------------------------------
+class _LocalAccumulation:
+    """Keras' `gradient_accumulation_steps=k` with one gradient all-reduce per
+    k steps instead of one per step.
+
+    Keras' optimizer adds each step's gradients into its accumulators and, on
+    every k-th step, updates the weights with (accumulated + this step's) / k,
+    then zeroes the accumulators. Here the k - 1 micro-steps run backward in
+    DDP's `no_sync`: each process' accumulators sum its own, un-reduced
+    gradients. On the k-th step, before backward, those sums are moved into
+    the parameters' `.grad` (the accumulators zeroed), so that DDP's single
+    all-reduce averages every micro-step's gradients over the processes at
+    once; the optimizer then divides by k as it always does. The mean over
+    processes of each process' sum is the sum of the all-reduced gradients:
+    the same weights as plain Keras on one device.
+
+    Not for a `LossScaleOptimizer` (mixed precision): whether it skips a step
+    depends on its gradients, which must then be the same on every process.
+    """
+
+    def __init__(self, optimizer: Any, steps: int):
+        self._optimizer = optimizer
+        self._steps = steps
+
+    @classmethod
+    def of(cls, model: Any, collectives: Collectives) -> _LocalAccumulation | None:
+        optimizer = getattr(model, "optimizer", None)
+        steps = getattr(optimizer, "gradient_accumulation_steps", None)
+        if (
+            not steps
+            or collectives.skip_gradient_sync is None
+            or isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        ):
+            return None
+        return cls(optimizer, steps)
+
+    def is_update_step(self) -> bool:
+        """Whether this step's `apply` updates the weights (Keras' own test;
+        the step counter is the same on every process)."""
+        return (int(self._optimizer._iterations.value) + 1) % self._steps == 0
+
+    def move_into_gradients(self, trainable: list[Any]) -> None:
+        """Start each `.grad` from this process' accumulated gradients."""
+        optimizer = self._optimizer
+        if not optimizer.built:
+            return
+        for variable in trainable:
+            accumulator = optimizer._accumulated_gradients[
+                optimizer._get_variable_index(variable)
+            ]
+            variable.value.grad = accumulator.value.detach().clone()
+            accumulator.value.zero_()
+
+
+def _check_gradient_accumulation() -> list[str]:
+    missing = []
+    variable = keras.Variable([1.0, 2.0])
+    optimizer = keras.optimizers.SGD(gradient_accumulation_steps=2)
+    optimizer.build([variable])
+    if not hasattr(optimizer, "_iterations"):
+        missing.append("BaseOptimizer._iterations")
+    if not hasattr(optimizer, "_get_variable_index"):
+        missing.append("BaseOptimizer._get_variable_index")
+    elif len(getattr(optimizer, "_accumulated_gradients", [])) != 1:
+        missing.append("BaseOptimizer._accumulated_gradients")
+    return missing
+
+
 def make_steps(
     model: Any, collectives: Collectives, user_steps: set[str] = frozenset()
 ) -> dict[str, Callable]:
@@ -326,7 +399,12 @@ def make_steps(
     def train_step(batch: Any) -> Any:
         x, y, mask, weights, loss_weights = _weights(batch)
         kwargs = {"training": True} if model._call_has_training_arg else {}
-        with GlobalBatchNorm.rows(mask, batch.padded_rows != batch.global_rows):
+        accumulation = _LocalAccumulation.of(model, collectives)
+        update = accumulation is None or accumulation.is_update_step()
+        # A micro-step of gradient accumulation: no gradient all-reduce.
+        local = contextlib.nullcontext if update else collectives.skip_gradient_sync
+        padded = batch.padded_rows != batch.global_rows
+        with local(), GlobalBatchNorm.rows(mask, padded):
             y_pred = collectives.forward(x, **kwargs)
         model.zero_grad()
         with step_rows(rows_of(batch, mask, loss_weights, weights)):
@@ -345,7 +423,10 @@ def make_steps(
             loss = model.optimizer.scale_loss(loss)
         trainable = model.trainable_weights[:]
         if trainable:
-            loss.backward()
+            if accumulation is not None and update:
+                accumulation.move_into_gradients(trainable)
+            with local():
+                loss.backward()
             if first_step[0]:
                 first_step[0] = False
                 error = _unused_weights_error(model)

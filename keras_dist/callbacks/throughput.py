@@ -1,0 +1,349 @@
+"""`Throughput`: samples/s, data wait, TFLOP/s, MFU and the slowest process."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import keras
+
+from keras_dist._keras_compat import time_batch_reads
+from keras_dist.backends import get_adapter
+from keras_dist.callbacks.peaks import peak_flops_per_device
+from keras_dist.flops import FlopCount, check_positive_int, count_flops
+from keras_dist.runtime import _timeout_from_environment, warn_once
+
+
+class Throughput(keras.callbacks.Callback):
+    """Measure how fast `fit` trains, each epoch, into `logs` and one line.
+
+    At the end of every epoch it adds to the epoch's `logs` (so `History`,
+    `CSVLogger` and `TensorBoard` record them: put `Throughput` before them
+    in `callbacks`) and, with `verbose=1`, process 0 prints one line:
+
+    - `samples_per_second`: `batch_size` samples per step over the time per
+      step; `tokens_per_second` with `tokens_per_sample=`.
+    - `step_time`: seconds per step, from the end of one step to the end of
+      the next (everything: reading the batch, the step, the callbacks,
+      Keras' loop).
+    - `data_wait_time`: seconds per step spent reading the next batch from
+      the data iterator (`next()`; a tf.data pipeline, a DataLoader, a
+      PyDataset); `data_wait_fraction`: that over `step_time`. On TensorFlow
+      Keras reads each batch inside its compiled step, out of reach: both
+      keys are absent there and `compute_time` includes the read.
+    - `compute_time`: seconds per step inside the step (from
+      `on_train_batch_begin` to `on_train_batch_end`, less the batch reads).
+      It includes the time spent waiting for the other processes in the
+      step's collectives. The rest of `step_time` is host work: other
+      callbacks, Keras' loop.
+    - `tflops_per_device`: the model's training FLOPs per step
+      (`keras_dist.flops.count_flops`: matrix multiplications and
+      convolutions, a training step counted as 3 forward passes) times the
+      steps, over the time, over the devices of the active distribution (1
+      without one), in 10^12 FLOP/s.
+    - `mfu`: `tflops_per_device` as a fraction of the device's dense peak, from
+      `peak_flops_per_device=` or keras_dist's table of common accelerators
+      (16-bit peak when the model computes in bfloat16 or float16, float32
+      peak otherwise; where the engine multiplies float32 in TF32, as JAX
+      does by default on NVIDIA GPUs since Ampere, the float32 peak understates
+      what the device can do and MFU can exceed 1: pass the peak you mean).
+      Absent when no peak is known, e.g. on CPUs, which have no meaningful
+      one (the line says so once).
+    - `slowest_rank`, `step_time_spread` (several processes only): the
+      process the others wait for, and by how much. In synchronous training
+      every process takes the same time per step (the collectives line them
+      up); a process that is slow outside the step (data, callbacks, host
+      work) makes the others wait inside theirs. So the slowest rank is the
+      one with the most time per step outside the step (`step_time` less
+      `compute_time`), and `step_time_spread` is its excess over the
+      fastest's, in seconds per step: about what it costs every other
+      process each step. A process that is slow inside the compiled step (a
+      slower device) makes every process' `compute_time` longer alike and is
+      not singled out.
+
+    With several processes, every value in `logs` is the job's (the mean over
+    processes; one small exchange of numbers at the end of each epoch), the
+    same on every process, and `Throughput` must be in every process'
+    callbacks (it waits for the others at most `KERAS_DIST_INIT_TIMEOUT`
+    seconds). Under a keras_dist distribution `batch_size` is `fit`'s, the
+    global batch; without one, each process' own batch and device.
+
+    How the times stay honest: `Throughput` has an `on_train_batch_end`, so
+    Keras hands each step's logs over as Python numbers before calling it
+    (as it does for the progress bar with `verbose=1` or `2`): the step has
+    finished on the devices, and JAX's asynchronous dispatch cannot hide it.
+    The price is that, with `verbose=0` and no other per-batch callback,
+    Keras would otherwise read the logs on a background thread while it
+    dispatches the next step; `benchmarks/entries/throughput_overhead.py`
+    measures both costs. The first step of every epoch (compilation, the
+    data iterator starting) is left out of the figures, and the last batch
+    of an epoch counts as a full one. Per step the callback's own work (two
+    clock reads, the timed batch read, a few additions) took about 1 µs on
+    the 2-core CI machine, against steps of milliseconds.
+
+    Args:
+        batch_size: the `batch_size` given to `fit` (samples per step).
+        tokens_per_sample: tokens in each sample, e.g. the sequence length:
+            logs `tokens_per_second`, and gives the size of unknown (`None`)
+            non-batch dimensions when counting FLOPs.
+        flops_per_sample: training FLOPs per sample (forward and backward), to
+            use instead of counting them from the model's layers.
+        peak_flops_per_device: the dense peak FLOP/s of one device, for
+            `mfu`, instead of keras_dist's table.
+        verbose: 1 (default) to print one line per epoch on process 0, 0 for
+            none.
+
+    Example:
+
+    ```python
+    throughput = keras_dist.callbacks.Throughput(batch_size=512)
+    model.fit(x, y, batch_size=512, epochs=2,
+              callbacks=[keras_dist.DistributeCallback(keras_dist.DataParallel()),
+                         throughput, keras.callbacks.CSVLogger("log.csv")])
+    ```
+
+    prints, on 8 simulated CPU devices (a 0.4 M-parameter MLP), one line per
+    epoch (wrapped here) and, once, why there is no MFU:
+
+    ```
+    Throughput epoch 1: 14,488 samples/s | step 35.34 ms: data wait 0.91 ms
+    (2.6%), compute 34.39 ms | 0.00433 TFLOP/s per device, MFU n/a (cpu)
+    Throughput: no MFU: CPUs have no meaningful peak FLOP/s; pass
+    peak_flops_per_device= to compare with one.
+    ```
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        *,
+        tokens_per_sample: int | None = None,
+        flops_per_sample: float | None = None,
+        peak_flops_per_device: float | None = None,
+        verbose: int = 1,
+    ) -> None:
+        super().__init__()
+        check_positive_int("batch_size", batch_size, optional=False)
+        check_positive_int("tokens_per_sample", tokens_per_sample, optional=True)
+        _check_number("flops_per_sample", flops_per_sample)
+        _check_number("peak_flops_per_device", peak_flops_per_device)
+        if verbose not in (0, 1) or not isinstance(verbose, int):  # bools too
+            raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+        self.batch_size = batch_size
+        self.tokens_per_sample = tokens_per_sample
+        self.flops_per_sample = flops_per_sample
+        self.peak_flops_per_device = peak_flops_per_device
+        self.verbose = int(verbose)
+        #: The `FlopCount` of the model being trained (None with
+        #: `flops_per_sample=`, or before the first step).
+        self.flop_count: FlopCount | None = None
+        self._stop_timing: Any = None
+        self._reset_epoch()
+
+    # -- Keras' calls ------------------------------------------------------------
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        adapter = get_adapter()
+        self._rank = adapter.process_id()
+        self._processes = adapter.num_processes()
+        distribution = keras.distribution.distribution()
+        self._devices = 1
+        if distribution is not None:
+            self._devices = int(distribution.device_mesh.devices.size)
+        self._device_kind = adapter.device_kind()
+        self._peak = self.peak_flops_per_device or peak_flops_per_device(
+            self._device_kind, str(self.model.dtype_policy.compute_dtype)
+        )
+        self._times_reads = adapter.reads_batches_in_python
+        self._backend = adapter.name
+        self.flop_count = None
+        self._flops_per_step: float | None = None
+        self._said_once = False
+        self._stop()
+        if self._times_reads:
+            self._stop_timing = time_batch_reads(self._record_read)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._stop()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._reset_epoch()
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        self._begin = time.perf_counter()
+        self._begin_step = batch
+        self._in_step = True
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        now = time.perf_counter()
+        self._in_step = False
+        if self._last_end is not None and self._begin is not None:
+            # The first step of the epoch only starts the clock.
+            self._elapsed += now - self._last_end
+            self._compute += now - self._begin - self._reads_in_step
+            self._data += self._reads_between + self._reads_in_step
+            self._steps += batch - self._begin_step + 1
+        self._last_end = now
+        self._reads_between = self._reads_in_step = 0.0
+        if self._flops_per_step is None:
+            self._count_flops()
+            self._last_end = time.perf_counter()  # counting is not a step's
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        values = self._job_values(self._own_times())
+        if logs is not None:
+            logs.update(values)
+        if self.verbose and self._rank == 0:
+            print(self._line(epoch, values), flush=True)
+            if not self._said_once:
+                self._said_once = True
+                for note in self._notes():
+                    print(f"Throughput: {note}", flush=True)
+
+    # -- measuring ---------------------------------------------------------------
+    def _reset_epoch(self) -> None:
+        self._begin: float | None = None
+        self._begin_step = 0
+        self._last_end: float | None = None
+        self._in_step = False
+        self._reads_between = self._reads_in_step = 0.0
+        self._elapsed = self._compute = self._data = 0.0
+        self._steps = 0
+
+    def _record_read(self, seconds: float) -> None:
+        if self._in_step:  # JAX: the step reads its batch itself
+            self._reads_in_step += seconds
+        else:  # PyTorch: Keras reads the batch before on_train_batch_begin
+            self._reads_between += seconds
+
+    def _stop(self) -> None:
+        if self._stop_timing is not None:
+            self._stop_timing()
+            self._stop_timing = None
+
+    def _count_flops(self) -> None:
+        if self.flops_per_sample is not None:
+            self._flops_per_step = self.flops_per_sample * self.batch_size
+            return
+        self.flop_count = count_flops(
+            self.model, self.batch_size, tokens_per_sample=self.tokens_per_sample
+        )
+        self._flops_per_step = float(self.flop_count.training)
+        if self.flop_count.not_counted:
+            warn_once(
+                f"Throughput: the FLOP count of model {self.model.name!r} leaves "
+                f"out {len(self.flop_count.not_counted)} layer(s), so "
+                "tflops_per_device and mfu are low (pass flops_per_sample= to "
+                "give the figure):\n" + self.flop_count.describe_gaps(),
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def _own_times(self) -> list[float]:
+        """[step_time, compute_time, data_wait_time] of this process, in
+        seconds per step; NaN when no step was measured."""
+        if not self._steps:
+            return [math.nan] * 3
+        return [
+            self._elapsed / self._steps,
+            self._compute / self._steps,
+            self._data / self._steps,
+        ]
+
+    def _job_values(self, own: list[float]) -> dict[str, float]:
+        everyone = [own]
+        if self._processes > 1:
+            everyone = get_adapter().gather_numbers(
+                own, timeout_seconds=_timeout_from_environment()
+            )
+        step_time, compute_time, data_time = (
+            math.fsum(column) / len(everyone) for column in zip(*everyone, strict=True)
+        )
+        values = {"samples_per_second": self.batch_size / step_time}
+        if self.tokens_per_sample is not None:
+            values["tokens_per_second"] = values["samples_per_second"] * (
+                self.tokens_per_sample
+            )
+        values["step_time"] = step_time
+        if self._times_reads:
+            values["data_wait_time"] = data_time
+            values["data_wait_fraction"] = data_time / step_time
+        values["compute_time"] = compute_time
+        flops_per_device = (self._flops_per_step or 0.0) / step_time / self._devices
+        values["tflops_per_device"] = flops_per_device / 1e12
+        if self._peak:
+            values["mfu"] = flops_per_device / self._peak
+        if self._processes > 1:
+            outside = [times[0] - times[1] for times in everyone]
+            if any(math.isnan(value) for value in outside):
+                values["slowest_rank"] = values["step_time_spread"] = math.nan
+            else:
+                values["slowest_rank"] = max(
+                    range(len(outside)), key=outside.__getitem__
+                )
+                values["step_time_spread"] = max(outside) - min(outside)
+        return values
+
+    # -- reporting ---------------------------------------------------------------
+    def _line(self, epoch: int, values: dict[str, float]) -> str:
+        if math.isnan(values["step_time"]):
+            return (
+                f"Throughput epoch {epoch + 1}: no step measured (the first step "
+                "of each epoch is left out)"
+            )
+        parts = [f"{values['samples_per_second']:,.0f} samples/s"]
+        if "tokens_per_second" in values:
+            parts[0] += f" ({values['tokens_per_second']:,.0f} tokens/s)"
+        step = f"step {values['step_time'] * 1e3:.2f} ms: "
+        if "data_wait_time" in values:
+            step += (
+                f"data wait {values['data_wait_time'] * 1e3:.2f} ms "
+                f"({values['data_wait_fraction']:.1%}), "
+            )
+        parts.append(step + f"compute {values['compute_time'] * 1e3:.2f} ms")
+        mfu = f"MFU {values['mfu']:.1%}" if "mfu" in values else "MFU n/a"
+        if "mfu" not in values:
+            mfu += f" ({self._device_kind})"
+        parts.append(f"{values['tflops_per_device']:.3g} TFLOP/s per device, {mfu}")
+        if "slowest_rank" in values and not math.isnan(values["slowest_rank"]):
+            parts.append(
+                f"slowest rank {values['slowest_rank']}: "
+                f"+{values['step_time_spread'] * 1e3:.2f} ms/step"
+            )
+        return f"Throughput epoch {epoch + 1}: " + " | ".join(parts)
+
+    def _notes(self) -> list[str]:
+        notes = []
+        if not self._peak:
+            why = (
+                "CPUs have no meaningful peak FLOP/s"
+                if self._device_kind == "cpu"
+                else f"no peak FLOP/s known for {self._device_kind!r}"
+            )
+            notes.append(
+                f"no MFU: {why}; pass peak_flops_per_device= to compare with one."
+            )
+        if not self._times_reads:
+            notes.append(
+                f"no data wait: on {self._backend} Keras reads each batch inside "
+                "the compiled step; compute_time includes the read."
+            )
+        if self.flop_count is not None:
+            for path, note in self.flop_count.notes.items():
+                notes.append(f"FLOP count: {path}: {note}")
+        return notes
+
+
+def _check_number(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"`{name}` must be a positive number of FLOPs or None. Received: "
+            f"{name}={value!r} of type {type(value).__name__}"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"`{name}` must be a positive, finite number of FLOPs or None. "
+            f"Received: {name}={value!r}"
+        )

@@ -1,0 +1,130 @@
+"""Keras' `gradient_accumulation_steps` under `kd.DataParallel`, and the
+references it must equal: plain Keras on one device, once with the same
+accumulation and once with one batch ACCUMULATION times larger.
+
+Imported by tests/test_gradient_accumulation.py (JAX and TensorFlow, one
+process) and run as one rank of a PyTorch job by `tests.multiprocess.run_job`:
+Usage: python gradient_accumulation_worker.py OUTPUT_JSON
+On PyTorch every all-reduce of DDP's gradient buckets is counted through a
+communication hook (`DistributedDataParallel.register_comm_hook`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+
+import keras
+import numpy as np
+import worker_seed
+
+import keras_dist as kd
+
+ROWS, MICRO_BATCH, ACCUMULATION, EPOCHS = 64, 16, 2, 2
+MICRO_STEPS = EPOCHS * ROWS // MICRO_BATCH  # 8 micro-steps, 4 weight updates
+
+OPTIMIZERS: dict[str, Callable[..., keras.optimizers.Optimizer]] = {
+    "sgd_momentum": lambda **options: keras.optimizers.SGD(
+        0.1, momentum=0.9, **options
+    ),
+    "adam": lambda **options: keras.optimizers.Adam(0.01, **options),
+}
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 6)).astype("float32")
+    y = np.stack([x.sum(axis=1), x[:, 0] * x[:, 1]], axis=1).astype("float32")
+    return x, y
+
+
+def train(optimizer: str, *, accumulate: bool, callbacks: tuple = ()) -> keras.Model:
+    """Micro-batches of MICRO_BATCH rows with `gradient_accumulation_steps`,
+    or (`accumulate=False`) batches ACCUMULATION times larger without it."""
+    worker_seed.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu", name="hidden"),
+            keras.layers.Dense(2, name="out"),
+        ],
+        name="accumulating" if accumulate else "big_batch",
+    )
+    options = {"gradient_accumulation_steps": ACCUMULATION} if accumulate else {}
+    model.compile(optimizer=OPTIMIZERS[optimizer](**options), loss="mse")
+    x, y = data()
+    batch_size = MICRO_BATCH if accumulate else MICRO_BATCH * ACCUMULATION
+    model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=list(callbacks),
+    )
+    return model
+
+
+def weights(model: keras.Model) -> list[list[float]]:
+    return [np.asarray(w, "float64").ravel().tolist() for w in model.get_weights()]
+
+
+def run(distribution: Callable[[], kd.Distribution]) -> dict:
+    """Per optimizer: the weights trained under `distribution()` and those of
+    both one-device references, and the optimizers' step counters."""
+    result = {}
+    for name in OPTIMIZERS:
+        model = train(
+            name, accumulate=True, callbacks=(kd.DistributeCallback(distribution()),)
+        )
+        plain = train(name, accumulate=True)
+        big = train(name, accumulate=False)
+        result[name] = {
+            "distributed": weights(model),
+            "plain_accumulation": weights(plain),
+            "big_batch": weights(big),
+            "iterations": int(np.asarray(model.optimizer.iterations)),
+            "big_batch_iterations": int(np.asarray(big.optimizer.iterations)),
+        }
+    return result
+
+
+def count_gradient_all_reduces() -> list[list[int]]:
+    """One counter per DistributedDataParallel built from now on: how many
+    times it all-reduced a gradient bucket (through a communication hook that
+    does what DDP does without one)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    counters: list[list[int]] = []
+    original = DistributedDataParallel.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        counter = [0]
+        counters.append(counter)
+
+        def hook(state, bucket):
+            counter[0] += 1
+            return default_hooks.allreduce_hook(state, bucket)
+
+        self.register_comm_hook(None, hook)
+
+    DistributedDataParallel.__init__ = __init__
+    return counters
+
+
+def main() -> None:
+    kd.initialize()
+    counters = count_gradient_all_reduces()
+    result = run(kd.DataParallel)
+    result["all_reduces"] = [counter[0] for counter in counters]
+    result["processes"] = kd.num_processes()
+    with open(sys.argv[-1], "w") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main()
