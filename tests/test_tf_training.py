@@ -416,3 +416,51 @@ def test_each_epochs_iterator_is_destroyed_off_the_training_thread(monkeypatch):
     assert all(
         name.startswith("keras_dist-tf-iterator-reaper") for name in destroyed_on
     ), destroyed_on
+
+
+class _Views(keras.utils.PyDataset):
+    """Batches that are views into the dataset's own arrays, as slicing gives."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x) // 8
+
+    def __getitem__(self, index: int):
+        rows = slice(index * 8, (index + 1) * 8)
+        return self.x[rows], self.y[rows]
+
+
+def _aligned(values: np.ndarray, alignment: int = 64) -> np.ndarray:
+    """A copy of `values` whose buffer starts at a multiple of `alignment` bytes
+    (TensorFlow takes over the buffer of an aligned NumPy array without copying)."""
+    spare = np.empty(values.nbytes + alignment, np.uint8)
+    start = -spare.ctypes.data % alignment
+    copy = spare[start : start + values.nbytes].view(values.dtype).reshape(values.shape)
+    copy[...] = values
+    return copy
+
+
+def test_fit_never_writes_into_the_arrays_a_py_dataset_returns():
+    """Replica 0's piece of a batch once shared the buffer of the array the
+    PyDataset returned (when aligned: about every other run), and a step op
+    reusing its input's buffer (`y - y_pred`) wrote into it: the next epochs
+    trained on changed targets."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    data = _Views(_aligned(x), _aligned(y))
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh", name="hidden"),
+            keras.layers.Dense(1, name="out"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    distribution = kd.DataParallel(devices=kd.list_devices())
+    model.fit(data, verbose=0, callbacks=[kd.DistributeCallback(distribution)])
+    np.testing.assert_array_equal(data.x, x)
+    np.testing.assert_array_equal(data.y, y)

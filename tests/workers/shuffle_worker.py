@@ -1,4 +1,4 @@
-"""One process of a multi-process `fit(shuffle=...)` job (JAX or PyTorch).
+"""One process of a multi-process `fit(shuffle=...)` job.
 
 Usage: python shuffle_worker.py KIND SEEDING OUTPUT_JSON
 KIND: "arrays", "batch" or "py_dataset" (see `shuffle_scenario.fit_kwargs`).

@@ -29,7 +29,12 @@ from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.tensorflow import input_adapter as inputs
 from keras_dist.backends.tensorflow import keras_internals as internals
 from keras_dist.padding import check_same_input, fingerprint
-from keras_dist.random_streams import BackendStream
+from keras_dist.random_streams import (
+    STATE_WORDS,
+    BackendStream,
+    global_random_state,
+    set_global_random_state,
+)
 
 _NOT_YET = (
     "{what} is not implemented for the TensorFlow backend in keras_dist; "
@@ -304,8 +309,13 @@ class TensorFlowAdapter(BackendAdapter):
 
     # -- training --------------------------------------------------------------
     def _shared_seed(self, strategy: Any) -> int:
-        """A seed drawn by process 0, the same in every process."""
-        seed = np.random.randint(0, 2**31 - 1) if self._worker_index == 0 else 0
+        """A seed drawn by process 0, the same in every process. NumPy's global
+        generator is left where it was: Keras draws its own orders from it."""
+        seed = 0
+        if self._worker_index == 0:
+            state = np.random.get_state()
+            seed = np.random.randint(0, 2**31 - 1)
+            np.random.set_state(state)
         return _process_zero_int(strategy, seed)
 
     def global_batches(
@@ -423,6 +433,13 @@ class TensorFlowAdapter(BackendAdapter):
         unprepared = [True]
 
         def batches_for_epoch(data_adapter: Any) -> Any:
+            if self._multi_worker is not None:
+                # Keras shuffles a PyDataset with Python's `random` when the
+                # epoch starts: with process 0's generators every worker draws
+                # process 0's order, the one plain Keras draws on one device.
+                set_global_random_state(
+                    _process_zero_words(strategy, global_random_state())
+                )
             dataset = self.global_batches(data_adapter, shuffle_stream)
             if unchecked[0] and internals.reads_again(data_adapter):
                 unchecked[0] = False
@@ -430,7 +447,9 @@ class TensorFlowAdapter(BackendAdapter):
                 # same order again, not the next one (a resumed run checks in
                 # a later epoch and must draw as the first run did).
                 drawn = shuffle_stream.get_state() if shuffle_stream else None
+                generators = global_random_state()
                 self._check_same_input(strategy, dataset)
+                set_global_random_state(generators)
                 if drawn is not None:
                     shuffle_stream.set_state(drawn)
             if unprepared[0]:
@@ -488,6 +507,22 @@ def _process_zero_int(strategy: Any, value: int) -> int:
 
     per_replica = strategy.experimental_distribute_values_from_function(replica_value)
     return int(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, None))
+
+
+def _process_zero_words(strategy: Any, words: np.ndarray) -> np.ndarray:
+    """Process 0's uint32 `words` on every process (one SUM over the replicas,
+    of which only process 0's first replica gives them)."""
+    mine = np.asarray(words, "int64")
+    if mine.shape != (STATE_WORDS,):
+        raise ValueError(f"Expected {STATE_WORDS} words, received {mine.shape}")
+
+    def replica_value(context: Any) -> Any:
+        first = context.replica_id_in_sync_group == 0
+        return tf.constant(mine if first else np.zeros_like(mine))
+
+    per_replica = strategy.experimental_distribute_values_from_function(replica_value)
+    summed = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, None)
+    return np.asarray(summed).astype("uint32")
 
 
 def _replica_index() -> Any:

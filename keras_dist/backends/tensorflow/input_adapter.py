@@ -64,7 +64,13 @@ def split_global_batches(
 
         def mine(leaf: tf.Tensor) -> tf.Tensor:
             padding = [[0, padded - rows]] + [[0, 0]] * (len(leaf.shape) - 1)
-            block = tf.pad(leaf, padding)[start : start + share]
+            # A gather, not a slice: the pieces get buffers of their own. A
+            # slice (and a pad by zero rows) hands on the source's buffer, which
+            # for a Python input (PyDataset, `from_generator`) can be the user's
+            # own NumPy array; a step op that then reuses its input's buffer
+            # (`y - y_pred`) wrote into that array, changing the data of the
+            # epochs after.
+            block = tf.gather(tf.pad(leaf, padding), tf.range(start, start + share))
             return tf.reshape(
                 block, tf.concat([[local_replicas, piece], tf.shape(leaf)[1:]], 0)
             )
