@@ -55,6 +55,7 @@ from keras_dist._keras_compat import (
     grouped_attention_projections,
     sublayers,
 )
+from keras_dist._validation import check_positive_int
 
 TRAINING_MULTIPLIER = 3
 
@@ -122,20 +123,6 @@ def count_flops(
         not_counted=counter.not_counted,
         notes=counter.notes,
     )
-
-
-def check_positive_int(name: str, value: Any, *, optional: bool) -> None:
-    """Raise unless `value` is a positive int (or None, when `optional`)."""
-    if value is None and optional:
-        return
-    allowed = f"a positive int{' or None' if optional else ''}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"`{name}` must be {allowed}. Received: {name}={value!r} of type "
-            f"{type(value).__name__}"
-        )
-    if value < 1:
-        raise ValueError(f"`{name}` must be {allowed}. Received: {name}={value!r}")
 
 
 class _Unknown(Exception):

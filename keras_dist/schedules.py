@@ -21,22 +21,10 @@ import keras
 from keras import ops
 
 from keras_dist._keras_compat import KerasDistribution
+from keras_dist._validation import check_positive_int
 from keras_dist.state import distribution as active_distribution
 
 RULES = ("linear", "sqrt")
-
-
-def _check_size(name: str, value: Any, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    allowed = f"a positive int{' or None' if optional else ''}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"`{name}` must be {allowed}. Received: {name}={value!r} of type "
-            f"{type(value).__name__}"
-        )
-    if value < 1:
-        raise ValueError(f"`{name}` must be {allowed}. Received: {name}={value!r}")
 
 
 def _check_rule(rule: Any) -> None:
@@ -123,8 +111,8 @@ def _checked_global_batch_size(
     rule: Any, base_batch_size: Any, global_batch_size: Any, distribution: Any
 ) -> int:
     _check_rule(rule)
-    _check_size("base_batch_size", base_batch_size)
-    _check_size("global_batch_size", global_batch_size, optional=True)
+    check_positive_int("base_batch_size", base_batch_size)
+    check_positive_int("global_batch_size", global_batch_size, optional=True)
     return _global_batch_size(base_batch_size, global_batch_size, distribution)
 
 

@@ -9,9 +9,10 @@ from typing import Any
 import keras
 
 from keras_dist._keras_compat import time_batch_reads
+from keras_dist._validation import check_positive_int
 from keras_dist.backends import get_adapter
 from keras_dist.callbacks.peaks import peak_flops_per_device
-from keras_dist.flops import FlopCount, check_positive_int, count_flops
+from keras_dist.flops import FlopCount, count_flops
 from keras_dist.runtime import _timeout_from_environment, warn_once
 
 
