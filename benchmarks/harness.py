@@ -207,3 +207,8 @@ def compare_memory(memory: dict[str, dict[str, Any]], devices: int) -> None:
         record["fraction_of_replicated"] = record["max_device_bytes"] / replicated_bytes
         record["times_devices"] = record["fraction_of_replicated"] * devices
     memory["keras_dist_fsdp"]["target_times_devices"] = 1.05
+
+
+def devices_holding(model: Any) -> int:
+    """How many devices a JAX model's first kernel lives on."""
+    return len(model.trainable_variables[0].value.sharding.device_set)

@@ -30,6 +30,7 @@ import keras
 
 from benchmarks.harness import (
     Candidate,
+    devices_holding,
     entry_arguments,
     entry_result,
     run_interleaved,
@@ -44,11 +45,6 @@ from benchmarks.mlp import (
 )
 
 DEVICES = 8
-
-
-def devices_holding(model: keras.Model) -> int:
-    """How many devices the model's first kernel lives on."""
-    return len(model.trainable_variables[0].value.sharding.device_set)
 
 
 def main() -> None:

@@ -48,6 +48,7 @@ from benchmarks.harness import (
     Candidate,
     StepTimer,
     compare_memory,
+    devices_holding,
     entry_arguments,
     entry_result,
     run_interleaved,
@@ -110,11 +111,6 @@ def held_bytes(model: keras.Model) -> dict[str, Any]:
         "total_bytes": total,
         "replicated": replicated,
     }
-
-
-def devices_holding(model: keras.Model) -> int:
-    """How many devices the model's first kernel lives on."""
-    return len(model.trainable_variables[0].value.sharding.device_set)
 
 
 def native_layout_map(fsdp: kd.FSDP) -> keras.distribution.LayoutMap:

@@ -42,6 +42,7 @@ import keras
 
 from benchmarks.harness import (
     Candidate,
+    devices_holding,
     entry_arguments,
     entry_result,
     run_interleaved,
@@ -58,11 +59,6 @@ from keras_dist import _keras_compat
 from keras_dist.callbacks import Throughput
 
 DEVICES = 8
-
-
-def devices_holding(model: keras.Model) -> int:
-    """How many devices the model's first kernel lives on."""
-    return len(model.trainable_variables[0].value.sharding.device_set)
 
 
 class DevicesHolding(keras.callbacks.Callback):
