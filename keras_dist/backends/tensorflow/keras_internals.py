@@ -721,8 +721,6 @@ def make_steps(model: Any, user_steps: set[str] = frozenset()) -> dict[str, Call
         gradients = tape.gradient(loss, trainable)
         if _sums_gradients_itself(model.optimizer):
             return _apply_summed(model, gradients, trainable)
-        if _replica_context() is not None:
-            _check_accumulation(model.optimizer, "in a LossScaleOptimizer")
         model.optimizer.apply_gradients(zip(gradients, trainable, strict=True))
         return _global_results(model)
 
