@@ -35,7 +35,11 @@ from keras_dist.checkpoint import store
 from tests.conftest import BACKEND
 from tests.multiprocess import WORKERS, run_job
 from tests.test_launcher import wait_until
-from tests.workers.checkpoint_resume_worker import BATCH, EPOCHS, build, data
+from tests.workers.checkpoint_resume_worker import (
+    EPOCHS,
+    build,
+    fit_inputs,
+)
 
 WORKER = "checkpoint_resume_worker.py"
 
@@ -136,16 +140,13 @@ def test_a_killed_then_preempted_job_ends_as_an_uninterrupted_one(
     assert not os.path.exists(tmp_path / "ck" / ".keras_dist-preemption.json")
 
 
-def _fit_here(directory) -> list[np.ndarray]:
+def _fit_here(directory, kind: str = "arrays") -> list[np.ndarray]:
     """The worker's fit (no Dropout) in this process: 1 process, all its
     devices."""
     model = build(dropout=False)
-    x, y = data()
     keras.utils.set_random_seed(7)
     model.fit(
-        x,
-        y,
-        batch_size=BATCH,
+        **fit_inputs(kind),
         epochs=EPOCHS,
         shuffle=True,
         verbose=0,
@@ -171,11 +172,19 @@ def _copy_until(source, target, last_step: int) -> None:
 # TensorFlow (its multi-worker shuffle) and PyTorch here; JAX restores across
 # process counts in test_checkpoint_jax.py, and this passed on JAX when written
 # (left out there for CI's time).
-@pytest.mark.backend("tensorflow", "torch")
-def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path):
+# A shuffled PyDataset (Keras' order through Python's `random`) on TensorFlow
+# only: JAX and PyTorch share the generators the same way for every input.
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param("arrays", marks=pytest.mark.backend("tensorflow", "torch")),
+        pytest.param("py_dataset", marks=pytest.mark.backend("tensorflow")),
+    ],
+)
+def test_a_checkpoint_resumes_on_another_number_of_processes(kind, tmp_path):
     """Shuffled (seeded) data: the global batches are a function of the seed
     and the epoch only, so the order continues exactly on another count."""
-    one = _fit_here(tmp_path / "one")
+    one = _fit_here(tmp_path / "one", kind)
 
     # 1 process -> 2: resume mid-epoch 1 (step 8) in a 2-process job.
     _copy_until(tmp_path / "one", tmp_path / "two", 8)
@@ -183,7 +192,7 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path):
         WORKER,
         [str(tmp_path / "two"), str(tmp_path)],
         processes=2,
-        env=_environment(DROPOUT="0"),
+        env=_environment(DROPOUT="0", INPUT=kind),
         output_dir=tmp_path / "job",
         timeout=240,
     )
@@ -196,7 +205,7 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path):
     )
     assert manifest["world"]["processes"] == 2
     _copy_until(tmp_path / "two", tmp_path / "back", 14)
-    _assert_close(_fit_here(tmp_path / "back"), one, atol=1e-5)
+    _assert_close(_fit_here(tmp_path / "back", kind), one, atol=1e-5)
 
 
 # The launcher and the ranks' preemption path are the same code on every

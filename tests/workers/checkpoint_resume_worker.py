@@ -8,6 +8,8 @@ Environment:
   that rank has finished that global step: the rank sends itself the signal.
 - DROPOUT: "0" leaves Dropout out (runs on another world size differ in it).
 - STEP_SECONDS: a pause after every batch (a test signals the job mid-fit).
+- INPUT: "py_dataset" feeds the same batches as a `PyDataset` (shuffled, its
+  batches' order, with SHUFFLE) instead of arrays.
 Every epoch's logs go to STATE_DIR/epochs.jsonl (process 0, one line per
 epoch, the last attempt's line wins); each rank writes its final weights and
 logs to STATE_DIR/result-<rank>.json (or OUTPUT).
@@ -49,6 +51,30 @@ def data() -> tuple[np.ndarray, np.ndarray]:
     return x, (x.sum(axis=1, keepdims=True) * 0.3).astype("float32")
 
 
+class Batches(keras.utils.PyDataset):
+    """`data()` in batches of BATCH rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x, self.y = data()
+
+    def __len__(self) -> int:
+        return -(-ROWS // BATCH)
+
+    def __getitem__(self, index: int):
+        rows = slice(index * BATCH, (index + 1) * BATCH)
+        return self.x[rows], self.y[rows]
+
+
+def fit_inputs(kind: str | None = None) -> dict:
+    """`fit`'s data arguments for `kind` ("arrays" or "py_dataset"; by default
+    the INPUT environment variable's)."""
+    if (kind or os.environ.get("INPUT", "arrays")) == "py_dataset":
+        return {"x": Batches()}
+    x, y = data()
+    return {"x": x, "y": y, "batch_size": BATCH}
+
+
 class Fault(keras.callbacks.Callback):
     """This attempt's fault: the rank signals itself after a global step."""
 
@@ -85,7 +111,6 @@ def main() -> None:
     directory, state = sys.argv[1], sys.argv[2]
     kd.initialize()
     model = build(dropout=os.environ.get("DROPOUT", "1") == "1")
-    x, y = data()
     checkpoint = kd.Checkpoint(
         directory,
         save_freq=2,
@@ -94,9 +119,7 @@ def main() -> None:
     )
     worker_seed.set_random_seed(7)
     history = model.fit(
-        x,
-        y,
-        batch_size=BATCH,
+        **fit_inputs(),
         epochs=EPOCHS,
         shuffle=os.environ.get("SHUFFLE", "1") == "1",
         verbose=0,
