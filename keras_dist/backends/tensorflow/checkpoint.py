@@ -9,10 +9,11 @@ the data files; a directory without it is a save that did not finish.
 
 The variables saved are the TensorFlow variables behind the Keras ones. Under
 `kd.DataParallel` they are `MirroredVariable`s (one value per replica, equal:
-written once) and, for metric states, `SyncOnReadVariable`s: TensorFlow writes
-their sum over every replica of every process and divides it among the
-replicas again on restore, whatever their number, so the global metric state
-survives a change of device or process count.
+written once) and, for metric states and gradient accumulators,
+`SyncOnReadVariable`s: TensorFlow writes their sum over every replica of every
+process and divides it among the replicas again on restore, whatever their
+number, so the global metric state and a partial gradient sum survive a change
+of device or process count.
 
 Multi-worker (`MultiWorkerMirroredStrategy`): reading a `SyncOnReadVariable`
 is an all-reduce, so every worker writes, TensorFlow's own pattern
@@ -366,8 +367,9 @@ def load(
 def assign_arrays(state: dict[str, Any], arrays: dict[str, Any]) -> None:
     """Give each variable of `state` its full value from `arrays` (a restore
     from another engine's checkpoint). A mirrored variable gets it on every
-    replica; a metric state (`SyncOnRead`, summed) is divided among the
-    replicas of every process, so that their sum is the value."""
+    replica; a metric state or gradient accumulator (`SyncOnRead`, summed) is
+    divided among the replicas of every process, so that their sum is the
+    value."""
     import numpy as np  # noqa: PLC0415
 
     _tf_variables(state, "assign")

@@ -9,7 +9,8 @@ multi-worker bugs (keras-team/keras#20585), each reproduced by a test in
 from __future__ import annotations
 
 import atexit
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -31,6 +32,7 @@ from keras_dist._keras_compat import (
     update_compiled_metrics,
     uses_keras_compute_metrics,
 )
+from keras_dist.backends.tensorflow import accumulation
 from keras_dist.backends.tensorflow.input_adapter import DATA, MASK, SCALE
 from keras_dist.custom_steps import (
     STEP_METHODS,
@@ -85,6 +87,26 @@ def check() -> list[str]:
     variable = keras.Variable(1.0)
     if not (hasattr(variable, "_initialize") and hasattr(variable, "_value")):
         missing.append("Variable._initialize / Variable._value")
+    # Accumulation on per-replica accumulators (`KerasAccumulation`).
+    for name in ("_synchronization", "_aggregation"):
+        if not hasattr(variable, name):
+            missing.append(f"Variable.{name}")
+    accumulating = keras.optimizers.SGD(gradient_accumulation_steps=2)
+    accumulating.build([variable])
+    for name in (
+        "_accumulated_gradients",
+        "_check_variables_are_known",
+        "_iterations",
+        "_get_variable_index",
+        "_filter_empty_gradients",
+        "_clip_gradients",
+        "_apply_weight_decay",
+        "_backend_update_step",
+        "loss_scale_factor",
+        "use_ema",
+    ):
+        if not hasattr(accumulating, name):
+            missing.append(f"BaseOptimizer.{name}")
     helper = async_checkpoint_helper.AsyncCheckpointHelper
     if not hasattr(tf.train.Checkpoint(), "_async_checkpointer_impl"):
         missing.append("tf.train.Checkpoint._async_checkpointer_impl")
@@ -249,7 +271,15 @@ def recreate_in_scope(strategy: Any, variables: list[Any], optimizer: Any) -> No
             old_key = optimizer._var_key(variable) if optimizer is not None else None
             value = variable._value.read_value()
             variable._value = None
-            variable._initialize(value)
+            if _summed_on_read(variable) and value.dtype.is_floating:
+                # Every copy of a summed variable starts with the initial
+                # value; written from outside a replica, the value is divided
+                # among the copies, so their sum is the value read (integers
+                # would be truncated).
+                variable._initialize(tf.zeros_like(value))
+                variable._value.assign(value)
+            else:
+                variable._initialize(value)
             if optimizer is not None:
                 keys[old_key] = optimizer._var_key(variable)
     # A loss-scaling optimizer's inner optimizer applies the updates: its
@@ -264,6 +294,10 @@ def recreate_in_scope(strategy: Any, variables: list[Any], optimizer: Any) -> No
         if excluded:
             each._exclude_from_weight_decay = {keys.get(k, k) for k in excluded}
         each._exclude_from_weight_decay_cache = {}
+
+
+def _summed_on_read(variable: Any) -> bool:
+    return variable.synchronization == "on_read" and variable.aggregation == "sum"
 
 
 def with_inner_optimizer(optimizer: Any) -> list[Any]:
@@ -331,6 +365,14 @@ def prepare(model: Any, strategy: Any, batch: Any) -> None:
         else:
             model._symbolic_build(data_batch=batch)
     mirror_variables(model, strategy)
+    optimizer = getattr(model, "optimizer", None)
+    if (
+        strategy.num_replicas_in_sync > 1
+        and optimizer is not None
+        and optimizer.built
+        and _accumulates_locally(optimizer, model.trainable_variables)
+    ):
+        accumulate_per_replica(optimizer, strategy)
 
 
 def _build_layers(model: Any, x: Any) -> None:
@@ -496,7 +538,8 @@ def _apply_accumulating(
     context: Any, optimizer: Any, gradients: list[Any], trainable: list[Any]
 ) -> None:
     """Apply summed gradients with `gradient_accumulation_steps` in the
-    cross-replica context.
+    cross-replica context, with Keras' own `apply` (for the optimizers that
+    do not accumulate per replica, see `_accumulates_locally`).
 
     Keras' optimizer chooses between updating the weights and adding to its
     accumulators in a `tf.cond` whose branches update mirrored variables
@@ -512,16 +555,121 @@ def _apply_accumulating(
             None if g is None else strategy.experimental_local_results(g)[0]
             for g in gradients
         ]
-        extended = strategy.extended
-        # Keras' optimizer asks for a `merge_call` when the strategy uses
-        # them; in the cross-replica context it is not needed (nor possible).
-        extended._use_merge_call = lambda: False
-        try:
+        with _without_merge_call(strategy):
             optimizer.apply_gradients(zip(local, trainable, strict=True))
-        finally:
-            del extended._use_merge_call
 
     context.merge_call(apply, args=(gradients,))
+
+
+@contextlib.contextmanager
+def _without_merge_call(strategy: Any) -> Iterator[None]:
+    """Keras' optimizer asks for a `merge_call` when the strategy uses them;
+    in the cross-replica context it is not needed (nor possible)."""
+    extended = strategy.extended
+    extended._use_merge_call = lambda: False
+    try:
+        yield
+    finally:
+        del extended._use_merge_call
+
+
+def _accumulates_locally(optimizer: Any, trainable: list[Any]) -> bool:
+    """Whether `optimizer` accumulates in per-replica accumulators summed once
+    per update (`accumulation`).
+
+    Two Keras features keep the sum of every micro-step's gradients and Keras'
+    own `apply` (`_apply_accumulating`), with the same results: variables
+    overwritten with their gradient (float8 training; Keras accumulates their
+    maximum, not their sum) and weights' moving averages (`use_ema`).
+    """
+    if not optimizer.gradient_accumulation_steps or optimizer.use_ema:
+        return False
+    return not any(getattr(v, "overwrite_with_gradient", False) for v in trainable)
+
+
+def accumulate_per_replica(optimizer: Any, strategy: Any) -> None:
+    """Back `optimizer`'s gradient accumulators by variables of `strategy`
+    that each replica keeps its own copy of and that are summed on read
+    (`accumulation`), holding the same sums (idempotent).
+
+    Their creation is kept out of the traced step (`tf.init_scope`): a
+    `tf.function` that creates variables is traced a second time.
+    """
+    shared = [
+        a
+        for a in optimizer._accumulated_gradients
+        if a is not None
+        and not (
+            _summed_on_read(a) and strategy.extended.variable_created_in_scope(a._value)
+        )
+    ]
+    for accumulator in shared:
+        accumulator._synchronization = "on_read"
+        accumulator._aggregation = "sum"
+    if shared:
+        with tf.init_scope():
+            recreate_in_scope(strategy, shared, None)
+
+
+class KerasAccumulation:
+    """Keras' own accumulation arithmetic for `accumulation.apply`.
+
+    That of `BaseOptimizer.apply` and `_backend_apply_gradients` (Keras
+    3.15): variables it was not built for raise Keras' error, gradients
+    missing are left out (with Keras' warning), each micro-gradient is
+    divided by `loss_scale_factor`, the update step is the
+    k-th micro-step counted by `_iterations` (which counts micro-steps), its
+    gradients are the accumulated sums over k, clipped, after Keras' weight
+    decay, and the variables' constraints are applied after every micro-step.
+    """
+
+    def __init__(self, optimizer: Any, trainable: list[Any]) -> None:
+        self._optimizer = optimizer
+        self._trainable = trainable
+        self._updated: list[Any] = []
+
+    def accumulate(self, strategy: Any, gradients: list[Any]) -> list[tuple[Any, Any]]:
+        optimizer = self._optimizer
+        if not optimizer.built:
+            # Keras' `apply` builds it here; its variables are the strategy's.
+            with tf.init_scope(), strategy.scope():
+                optimizer.build(self._trainable)
+        optimizer._check_variables_are_known(self._trainable)
+        present, self._updated = optimizer._filter_empty_gradients(
+            gradients, self._trainable
+        )
+        # Done by `prepare` unless the optimizer was built just now.
+        accumulate_per_replica(optimizer, strategy)
+        accumulators = [
+            optimizer._accumulated_gradients[optimizer._get_variable_index(v)]
+            for v in self._updated
+        ]
+        return list(zip(present, [tf_variable(a) for a in accumulators], strict=True))
+
+    def micro_gradient(self, gradient: Any) -> Any:
+        scale = self._optimizer.loss_scale_factor
+        return gradient if scale is None else gradient / scale
+
+    def is_update_step(self) -> Any:
+        optimizer = self._optimizer
+        steps = optimizer.gradient_accumulation_steps
+        return (optimizer._iterations + 1) % steps == 0
+
+    def update(self, strategy: Any, summed: list[Any]) -> None:
+        optimizer = self._optimizer
+        steps = optimizer.gradient_accumulation_steps
+        gradients = optimizer._clip_gradients([s / steps for s in summed])
+        with _without_merge_call(strategy):
+            optimizer._apply_weight_decay(self._updated)
+            optimizer._backend_update_step(
+                gradients, self._updated, optimizer.learning_rate
+            )
+
+    def end_micro_step(self) -> None:
+        for variable in self._updated:
+            if variable.constraint is not None:
+                variable.assign(variable.constraint(variable))
+        self._optimizer._iterations.assign_add(1)
 
 
 def _check_accumulation(optimizer: Any, where: str) -> None:
@@ -545,11 +693,21 @@ def _check_accumulation(optimizer: Any, where: str) -> None:
 
 def _apply_summed(model: Any, gradients: list[Any], trainable: list[Any]) -> Any:
     """Sum the gradients and the metric states over replicas in one
-    all-reduce, apply the gradients, return the global metric results."""
+    all-reduce, apply the gradients, return the global metric results.
+
+    With `gradient_accumulation_steps` the gradients are, in most cases,
+    summed once per update instead (`accumulation`)."""
     context = _replica_context()
     if context is None:
         model.optimizer.apply_gradients(zip(gradients, trainable, strict=True))
         return model.get_metrics_result()
+    if _accumulates_locally(model.optimizer, trainable):
+        # The gradients stay each replica's own until the update step; the
+        # metric states are summed at every step (exact global logs).
+        accumulation.apply(
+            context, KerasAccumulation(model.optimizer, trainable), gradients
+        )
+        return _global_results(model)
     states = _MetricStates(model, context) if model.metrics_variables else None
     present = [i for i, g in enumerate(gradients) if g is not None]
     values = [gradients[i] for i in present]
