@@ -14,6 +14,9 @@ that axis has size 1). No DDP is involved: DTensor brings the collectives, and
 the outputs are gathered before loss and metrics, which are global as they are.
 When the call ends the variables are gathered back into plain full tensors. A
 layout that shards nothing (its axes have size 1) takes the replicated path.
+Variables split along the batch axis only (pure FSDP) skip DTensor's per-op
+dispatch inside the model: each layer computes on plain tensors, as FSDP2 does
+(`dtensor.ShardedRun`, `fsdp_compute`).
 """
 
 from __future__ import annotations
@@ -458,7 +461,7 @@ class TorchAdapter(BackendAdapter):
             run = _dtensor().ShardedRun(model, distribution).start()
             # At the end: back to plain, full tensors, an ordinary Keras model.
             self._on_deactivate(model, run.stop)
-            collectives = _dtensor().collectives(model)
+            collectives = _dtensor().collectives(run)
             replicas, replica = 1, 0
         else:
             if world_size > 1:

@@ -31,6 +31,14 @@ callbacks do.
 
 An op that DTensor cannot run (e.g. a sharded `Conv2D` kernel in this torch
 release) fails with a `NotImplementedError` that names the op and the layer.
+
+Pure FSDP (variables split along the batch axis only) skips DTensor's per-op
+dispatch inside the model, as FSDP2 does: each layer computes on this
+process' rows and its whole weights as plain tensors, gathered in one
+collective per layer call, and the model's outputs are gathered into the
+whole batch's (`fsdp_compute`, "plain compute" in `ShardedRun`). The
+variables, the optimizer's slots and what callbacks see are the same
+DTensors either way.
 """
 
 from __future__ import annotations
@@ -60,8 +68,31 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_dist._keras_compat import layers_of, slot_owners
 from keras_dist.backends.torch import keras_internals as internals
+from keras_dist.backends.torch.fsdp_compute import (
+    BatchGroup,
+    chunk_bounds,
+    gather_layer_variables,
+    gather_rows,
+    sum_over_processes,
+)
 
 _meshes: dict[tuple, TorchDeviceMesh] = {}
+# Keras optimizers that update each element of a variable from the same
+# element of its gradient and slots (see `ShardedRun._updates_elementwise`).
+_ELEMENTWISE_OPTIMIZERS = frozenset(
+    {
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "Adagrad",
+        "Adadelta",
+        "RMSprop",
+        "Nadam",
+        "Lion",
+        "Ftrl",
+    }
+)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -270,12 +301,25 @@ def _as_placed(current: Any, value: Any) -> Any:
     )
 
 
+# The plain-compute runs (see `ShardedRun`) whose model is being called,
+# innermost last: a variable read then gathers its whole value.
+_reading: list[ShardedRun] = []
+
+
+def _read_variable(variable: Any, value: Any) -> Any:
+    if _reading and isinstance(value, DTensor):
+        return _reading[-1].gather_on_read(variable, value)
+    return value
+
+
 def _patch_variables() -> None:
     if not _variable_patches:
         undo_read = internals.convert_variables_to_numpy_via(to_full)
         undo_write = internals.assign_variables_via(_as_placed)
+        undo_value = internals.read_variables_via(_read_variable)
 
         def undo() -> None:
+            undo_value()
             undo_write()
             undo_read()
 
@@ -345,6 +389,28 @@ def _attention_kernels() -> contextlib.AbstractContextManager:
 class ShardedRun:
     """One model's variables sharded as DTensors, from `start()` to `stop()`.
 
+    Two ways of computing, chosen in `start()`:
+
+    - DTensor compute (any layout): the model's inputs are DTensors split
+      along the batch axis and every op goes through DTensor's dispatch,
+      which inserts the collectives the layouts need. Each layer's
+      batch-split trainable variables are gathered while it runs.
+    - Plain compute (pure FSDP: no variable is split along another mesh axis
+      of size > 1; no BatchNormalization; see `_plain_compute_group`): what
+      FSDP2 does. Each process computes on its rows of every batch as plain
+      tensors, each layer call gathers the whole values of its own variables
+      in one all-gather (`fsdp_compute`), whose backward reduce-scatters the
+      gradients onto their owners; the model's outputs are gathered into the
+      whole batch's. A variable read inside the model outside its own layer
+      (a tied weight), or while the loss is computed (a weight regularizer),
+      is gathered the same way. No DTensor op runs inside the model, so an
+      op there that mixes rows sees this process' rows only, as under
+      DataParallel (losses that layers add are averaged over processes,
+      `_average_added_losses`). Between steps and in the optimizer update the
+      variables are DTensors as in DTensor compute; an optimizer that updates
+      every element on its own (Adam, SGD...: `_updates_elementwise`) updates
+      each process' parts as plain tensors.
+
     Args:
         model: the Keras model.
         distribution: the `ModelParallel` whose layouts shard it.
@@ -355,12 +421,30 @@ class ShardedRun:
         self.distribution = distribution
         self.mesh = torch_mesh(distribution.device_mesh)
         self._variables: list[Any] = []  # every variable made a DTensor
+        # id(variable) -> its DTensor Parameter (what it holds between layers).
+        self._values: dict[int, Any] = {}
         self._hooks: list[Any] = []
         self._layers: list[Any] = []  # the layers being called, innermost last
         self._depth = 0
         # Variables split along the batch axis, gathered while their layer runs:
         # id -> (variable, its sharded Parameter, how many calls hold it).
         self._gathered: dict[int, list[Any]] = {}
+        # Plain compute (see the class): the processes along the batch axis,
+        # None for DTensor compute.
+        self._batch: BatchGroup | None = None
+        self._local_update = False
+        # Plain compute: id(layer) -> [its gathered variables, how many calls
+        # hold them, the gathered values' versions (to see writes)].
+        self._layer_gathers: dict[int, list[Any]] = {}
+        # Plain compute: whole values of variables read outside their own
+        # layer's call, for one model call: id(variable) -> [variable, whole
+        # value, its version].
+        self._read_cache: dict[int, list[Any]] = {}
+        self._rows: list[int] = []  # rows of the whole batch, per model call
+        self._all_layers: list[Any] = []  # the model and every layer in it
+        # Plain compute, elementwise optimizer: id(variable) -> a Parameter
+        # sharing its DTensor's local storage, for the optimizer's update.
+        self._locals: dict[int, torch.nn.Parameter] = {}
 
     # -- variables -------------------------------------------------------------
     def _planned(self) -> list[tuple[Any, Any]]:
@@ -396,17 +480,20 @@ class ShardedRun:
                 sharded = distribute_tensor(
                     value.detach(), self.mesh, placements(axes, axis_names)
                 )
-                internals.set_variable_storage(
-                    variable,
-                    torch.nn.Parameter(sharded, requires_grad=value.requires_grad),
+                parameter = torch.nn.Parameter(
+                    sharded, requires_grad=value.requires_grad
                 )
+                internals.set_variable_storage(variable, parameter)
                 self._variables.append(variable)
+                self._values[id(variable)] = parameter
             # The optimizer's scalars (iterations...) start as process 0's too.
             for variable in self._plain_optimizer_variables():
                 value = variable.value.detach().clone()
                 torch_distributed.broadcast(value, src=0)
                 variable.assign(value)
         internals.retrack_parameters(self.model)
+        self._batch = self._plain_compute_group()
+        self._local_update = self._batch is not None and self._updates_elementwise()
         self._track_layers()
         _patch_variables()
         return self
@@ -428,6 +515,8 @@ class ShardedRun:
                         ),
                     )
         self._variables.clear()
+        self._values.clear()
+        self._locals.clear()
         internals.retrack_parameters(self.model)
 
     def relayout(self, tensor: Any, layout: Any) -> Any:
@@ -477,9 +566,283 @@ class ShardedRun:
                 return keras.tree.map_structure(to_full, outputs)
             return None
 
-        for layer in layers_of(self.model):
+        self._all_layers = layers_of(self.model)
+        if self._batch is not None:
+            enter, leave = self._enter_plain, self._leave_plain
+        for layer in self._all_layers:
             self._hooks.append(layer.register_forward_pre_hook(enter))
             self._hooks.append(layer.register_forward_hook(leave))
+
+    # -- plain compute (pure FSDP) ----------------------------------------------
+    def _plain_compute_group(self) -> BatchGroup | None:
+        """The processes along the batch axis when plain compute applies (see
+        the class), else None.
+
+        Not with a variable split along another mesh axis of size > 1 (that
+        needs DTensor's ops); not with a BatchNormalization layer, whose
+        statistics span the rows of every process (DTensor compute reduces
+        them, plain compute would not); not with a split variable that a layer
+        created non-trainable: such statistics are assigned while the layer
+        runs, from every process' rows, and a layer in plain compute writes
+        to a whole copy (`_check_not_written`)."""
+        index = self._batch_axis_index()
+        if index is None:
+            return None
+        sizes = self.mesh.shape
+        for value in self._values.values():
+            for axis, placement in enumerate(value.placements):
+                if axis != index and sizes[axis] > 1 and not placement.is_replicate():
+                    return None
+        layers = layers_of(self.model)
+        if any(isinstance(layer, keras.layers.BatchNormalization) for layer in layers):
+            return None
+        for layer in layers:
+            for variable in internals.own_non_trainable_variables(layer):
+                value = self._values.get(id(variable))
+                if value is not None and not all(
+                    placement.is_replicate() for placement in value.placements
+                ):
+                    return None
+        name = self.distribution.batch_dim_name
+        return BatchGroup(
+            group=self.mesh.get_group(name),
+            size=int(sizes[index]),
+            index=int(self.mesh.get_local_rank(name)),
+        )
+
+    def _enter_plain(self, layer: Any, args: Any) -> Any:
+        self._layers.append(layer)
+        split = None
+        if layer is self.model:
+            # This process' rows of every input, as plain tensors (no
+            # communication: every process holds the whole batch).
+            batch = self._batch
+            rows = [
+                int(value.shape[0])
+                for value in keras.tree.flatten(args)
+                if isinstance(value, torch.Tensor) and value.ndim > 0
+            ]
+            self._rows.append(rows[0] if rows else 0)
+
+            def own_rows(value: Any) -> Any:
+                if not isinstance(value, torch.Tensor) or value.ndim == 0:
+                    return value
+                value = to_full(value)
+                start, length = chunk_bounds(value.shape[0], batch.size, batch.index)
+                return value.narrow(0, start, length)
+
+            split = keras.tree.map_structure(own_rows, args)
+            _reading.append(self)
+        self._gather_layer(layer)
+        return split
+
+    def _leave_plain(self, layer: Any, args: Any, outputs: Any) -> Any:
+        if self._layers and self._layers[-1] is layer:
+            self._layers.pop()
+        self._release_layer(layer)
+        if layer is not self.model:
+            return None
+        if _reading and _reading[-1] is self:
+            _reading.pop()
+        read = list(self._read_cache.values())
+        self._read_cache.clear()
+        self._check_not_written(self.model, read)
+        total = self._rows.pop() if self._rows else 0
+        self._average_added_losses(total)
+        batch = self._batch
+        own = chunk_bounds(total, batch.size, batch.index)[1]
+
+        def whole_rows(value: Any) -> Any:
+            # An output with this process' rows: every process' rows, in order.
+            # Anything else was computed from whole tensors and is the same on
+            # every process.
+            if isinstance(value, DTensor):
+                return to_full(value)
+            if (
+                isinstance(value, torch.Tensor)
+                and value.ndim > 0
+                and value.shape[0] == own
+            ):
+                return gather_rows(batch, total, value)
+            return value
+
+        return keras.tree.map_structure(whole_rows, outputs)
+
+    def _gather_layer(self, layer: Any) -> None:
+        """The whole values of the layer's own DTensor variables, in one
+        collective, held by the variables while the layer runs."""
+        held = self._layer_gathers.get(id(layer))
+        if held is not None:
+            held[1] += 1
+            return
+        variables = [
+            variable
+            for variable in internals.own_variables(layer)
+            if isinstance(internals.variable_storage(variable), DTensor)
+        ]
+        if not variables:
+            return
+        whole = gather_layer_variables(
+            self._batch,
+            self.mesh,
+            self._batch_axis_index(),
+            [internals.variable_storage(variable) for variable in variables],
+        )
+        for variable, value in zip(variables, whole, strict=True):
+            internals.set_variable_storage(variable, value)
+        self._layer_gathers[id(layer)] = [
+            variables,
+            1,
+            [value._version for value in whole],
+        ]
+
+    def _release_layer(self, layer: Any) -> None:
+        held = self._layer_gathers.get(id(layer))
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] > 0:
+            return
+        del self._layer_gathers[id(layer)]
+        variables, _, versions = held
+        gathered = []
+        for variable, version in zip(variables, versions, strict=True):
+            gathered.append([variable, internals.variable_storage(variable), version])
+            internals.set_variable_storage(variable, self._values[id(variable)])
+        self._check_not_written(layer, gathered)
+
+    def _check_not_written(self, layer: Any, gathered: list[list[Any]]) -> None:
+        """Refuse an assignment to a gathered whole value of a split variable
+        ([variable, whole value, its version when gathered]): it would be
+        lost, only the variable's parts are kept."""
+        written = [
+            variable.path
+            for variable, whole, version in gathered
+            if whole._version != version
+            and any(not p.is_replicate() for p in self._values[id(variable)].placements)
+        ]
+        if written:
+            raise NotImplementedError(
+                f"Variables {written} were assigned while layer "
+                f"{getattr(layer, 'path', None) or layer.name!r} "
+                f"({type(layer).__name__}) ran. FSDP on PyTorch gives a layer the "
+                "whole values of variables split along the batch axis for its "
+                "call and does not write them back. Keep such variables whole: "
+                "raise `min_size` above their size or lay them out replicated "
+                "in the LayoutMap."
+            )
+
+    def gather_on_read(self, variable: Any, value: DTensor) -> Any:
+        """The whole value of a variable read, inside the model's call, outside
+        its own layer's call (a weight tied to another layer's): gathered once
+        per model call, its gradient reduce-scattered like a layer's."""
+        held = self._read_cache.get(id(variable))
+        if held is None:
+            (whole,) = gather_layer_variables(
+                self._batch, self.mesh, self._batch_axis_index(), [value]
+            )
+            held = self._read_cache[id(variable)] = [variable, whole, whole._version]
+        return held[1]
+
+    @contextlib.contextmanager
+    def loss_scope(self) -> Iterator[None]:
+        """Around the loss computation of keras_dist's steps: in plain compute,
+        a variable read (a weight regularizer) gets its whole value, as inside
+        the model, so that the loss is a plain tensor; its gradient comes back
+        through `fsdp_compute`'s reduce-scatter."""
+        if self._batch is None:
+            yield
+            return
+        _reading.append(self)
+        try:
+            yield
+        finally:
+            if _reading and _reading[-1] is self:
+                _reading.pop()
+            read = list(self._read_cache.values())
+            self._read_cache.clear()
+            self._check_not_written(self.model, read)
+
+    def _average_added_losses(self, total: int) -> None:
+        """Losses that layers added (`add_loss`, activity regularizers) from
+        this process' rows: replaced by their average over processes, weighted
+        by rows, the same on every process (a loss that is a mean over rows is
+        then the whole batch's, as on one device). Differentiable: see
+        `fsdp_compute` for the gradient's arithmetic."""
+        added = [
+            (losses, index, loss)
+            for layer in self._all_layers
+            for losses in (internals.added_losses(layer),)
+            for index, loss in enumerate(losses)
+        ]
+        if not added:
+            return
+        batch = self._batch
+        own = chunk_bounds(total, batch.size, batch.index)[1]
+        weight = own / total if total else 1.0 / batch.size
+        flat = torch.cat([loss.reshape(-1) for _, _, loss in added])
+        summed = sum_over_processes(batch, flat * weight)
+        offset = 0
+        for losses, index, loss in added:
+            losses[index] = summed[offset : offset + loss.numel()].reshape(loss.shape)
+            offset += loss.numel()
+
+    def _updates_elementwise(self) -> bool:
+        """Whether the model's optimizer updates each element of a variable
+        from the same element of its gradient and slots only, so that each
+        process can update its parts as plain tensors: Keras' own optimizers
+        that do (not a subclass, which may do more), without clipping by a
+        norm, and with no optimizer variable but scalars outside the run."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None or not optimizer.built:
+            return False
+        kind = type(optimizer)
+        if (
+            kind.__name__ not in _ELEMENTWISE_OPTIMIZERS
+            or not kind.__module__.startswith("keras.")
+            or getattr(optimizer, "clipnorm", None) is not None
+            or getattr(optimizer, "global_clipnorm", None) is not None
+        ):
+            return False
+        return all(
+            id(variable) in self._values or len(variable.shape) == 0
+            for variable in optimizer.variables
+        )
+
+    @contextlib.contextmanager
+    def optimizer_update(self) -> Iterator[None]:
+        """The optimizer's update (under `no_grad`). With an elementwise
+        optimizer in plain compute, every DTensor variable and slot holds its
+        local part as a plain Parameter, its gradient's local part as `.grad`:
+        Keras' foreach ops then run on plain tensors, in place on the
+        DTensors' own storage."""
+        with torch.no_grad():
+            if not self._local_update:
+                yield
+                return
+            try:
+                for variable in self._variables:
+                    value = self._values[id(variable)]
+                    local = self._locals.get(id(variable))
+                    if local is None:
+                        # Shares the DTensor's local storage; made once per run.
+                        local = torch.nn.Parameter(
+                            value.to_local(), requires_grad=value.requires_grad
+                        )
+                        self._locals[id(variable)] = local
+                    grad = value.grad
+                    if grad is not None and tuple(grad.placements) != tuple(
+                        value.placements
+                    ):
+                        grad = grad.redistribute(self.mesh, value.placements)
+                    local.grad = None if grad is None else grad.to_local()
+                    internals.set_variable_storage(variable, local)
+                yield
+            finally:
+                for variable in self._variables:
+                    internals.set_variable_storage(variable, self._values[id(variable)])
+                for local in self._locals.values():
+                    local.grad = None  # the DTensor keeps its gradient
 
     # -- FSDP: whole weights while their layer runs -----------------------------
     def _batch_axis_index(self) -> int | None:
@@ -531,12 +894,20 @@ class ShardedRun:
         for variable, sharded, _ in self._gathered.values():
             internals.set_variable_storage(variable, sharded)
         self._gathered.clear()
+        for variables, _, _ in self._layer_gathers.values():
+            for variable in variables:
+                internals.set_variable_storage(variable, self._values[id(variable)])
+        self._layer_gathers.clear()
+        self._read_cache.clear()
+        self._rows.clear()
+        while self in _reading:
+            _reading.remove(self)
 
     def _sharded_layouts(self) -> dict[str, tuple]:
         return {
-            variable.path: tuple(variable.value.placements)
+            variable.path: tuple(self._values[id(variable)].placements)
             for variable in self._variables
-            if any(not p.is_replicate() for p in variable.value.placements)
+            if any(not p.is_replicate() for p in self._values[id(variable)].placements)
         }
 
     def _in_sharded_layer(self) -> bool:
@@ -547,7 +918,7 @@ class ShardedRun:
         sharded = {
             id(v)
             for v in self._variables
-            if any(not p.is_replicate() for p in v.value.placements)
+            if any(not p.is_replicate() for p in self._values[id(v)].placements)
         }
         return any(id(variable) in sharded for variable in self._layers[-1].weights)
 
@@ -592,7 +963,10 @@ class ShardedRun:
         except NotImplementedError:
             raise
         except Exception as error:
-            if not (_from_dtensor(error) or self._in_sharded_layer()):
+            # Plain compute runs no DTensor op inside a layer: only an error
+            # from DTensor itself is DTensor's.
+            in_dtensor_layer = self._batch is None and self._in_sharded_layer()
+            if not (_from_dtensor(error) or in_dtensor_layer):
                 raise
             raise self._failure(error) from error
         finally:
@@ -615,9 +989,9 @@ class ShardedRun:
         return {name: wrap(step) for name, step in steps.items()}
 
 
-def collectives(model: Any) -> internals.Collectives:
+def collectives(run: ShardedRun) -> internals.Collectives:
     """The steps' collectives: none are needed, every process sees the whole
-    batch and DTensor brings its own."""
+    batch and DTensor (or `fsdp_compute`) brings its own."""
 
     def start_sum(tensor: Any) -> Callable[[], None]:
         return lambda: None
@@ -628,6 +1002,7 @@ def collectives(model: Any) -> internals.Collectives:
         gather_from_processes=lambda tensor: tensor,
         # DTensor's gradients are already those of the whole batch.
         average_gradients=lambda gradients: gradients,
-        forward=model,
-        no_grad=torch.no_grad,
+        forward=run.model,
+        no_grad=run.optimizer_update,
+        loss_scope=run.loss_scope,
     )

@@ -63,6 +63,9 @@ class Collectives:
     # A context in which backward leaves the gradients un-reduced (DDP's
     # `no_sync`); None when nothing reduces them during backward.
     skip_gradient_sync: Callable[[], Any] | None = None
+    # A context around the loss computation (FSDP's plain compute: weight
+    # regularizers read whole weights in it).
+    loss_scope: Callable[[], Any] = contextlib.nullcontext
 
 
 def check() -> list[str]:
@@ -101,6 +104,15 @@ def check() -> list[str]:
         id(v) for v in own_trainable_variables(dense)
     ] != [id(dense.kernel), id(dense.bias)]:
         missing.append("Layer._trainable_variables (a layer's own variables)")
+    norm = keras.layers.BatchNormalization()
+    norm.build((None, 3))
+    if [id(v) for v in own_non_trainable_variables(norm)] != [
+        id(norm.moving_mean),
+        id(norm.moving_variance),
+    ]:
+        missing.append("Layer._non_trainable_variables (a layer's own variables)")
+    if not isinstance(getattr(dense, "_losses", None), list):
+        missing.append("Layer._losses (the losses add_loss collected)")
     mark_metric_states([metric.variables[0]], per_process=True)
     if not metric_state_is_per_process(metric.variables[0]):
         missing.append("an attribute set on a Keras Variable")
@@ -407,7 +419,10 @@ def make_steps(
         with local(), GlobalBatchNorm.rows(mask, padded):
             y_pred = collectives.forward(x, **kwargs)
         model.zero_grad()
-        with step_rows(rows_of(batch, mask, loss_weights, weights)):
+        with (
+            step_rows(rows_of(batch, mask, loss_weights, weights)),
+            collectives.loss_scope(),
+        ):
             loss = model._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True
             )
@@ -442,7 +457,10 @@ def make_steps(
         x, y, mask, weights, loss_weights = _weights(batch)
         kwargs = {"training": False} if model._call_has_training_arg else {}
         y_pred = model(x, **kwargs)
-        with step_rows(rows_of(batch, mask, loss_weights, weights)):
+        with (
+            step_rows(rows_of(batch, mask, loss_weights, weights)),
+            collectives.loss_scope(),
+        ):
             loss = model._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=False
             )
@@ -500,6 +518,25 @@ def own_trainable_variables(layer: Any) -> list[Any]:
     return list(layer._trainable_variables)
 
 
+def own_non_trainable_variables(layer: Any) -> list[Any]:
+    """The variables `layer` created itself as non-trainable (statistics such
+    as BatchNormalization's moving mean; not a frozen layer's weights), not
+    those of its sublayers (`Layer._non_trainable_variables`)."""
+    return list(layer._non_trainable_variables)
+
+
+def own_variables(layer: Any) -> list[Any]:
+    """Every variable `layer` created itself, trainable or not, not those of
+    its sublayers."""
+    return [*own_trainable_variables(layer), *own_non_trainable_variables(layer)]
+
+
+def added_losses(layer: Any) -> list[Any]:
+    """The list of the losses `layer.add_loss` collected during its call (not
+    its sublayers', not regularizers'): `Layer._losses`, changed in place."""
+    return layer._losses
+
+
 def retrack_parameters(model: Any) -> None:
     """Point each layer's torch parameters (`model.parameters()`, what
     `zero_grad` clears) at its variables' current values."""
@@ -523,6 +560,24 @@ def convert_variables_to_numpy_via(convert: Callable[[Any], Any]) -> Callable:
 
     def restore() -> None:
         cls.__array__ = original
+
+    return restore
+
+
+def read_variables_via(read: Callable[[Any, Any], Any]) -> Callable[[], None]:
+    """Make `variable.value` (what every Keras op on a variable reads) return
+    `read(variable, value)`, `value` being what Keras would return (its
+    storage, autocast when mixed precision says so); return the undo."""
+    cls = torch_core.Variable
+    original = cls.__dict__["value"]
+
+    def value(self: Any) -> Any:
+        return read(self, original.fget(self))
+
+    cls.value = property(value)
+
+    def restore() -> None:
+        cls.value = original
 
     return restore
 
@@ -569,6 +624,8 @@ def _check_variable_storage() -> list[str]:
         missing.append("keras.src.backend.torch.core.Variable._direct_assign")
     elif "_convert_to_tensor" not in torch_core.Variable.__dict__:
         missing.append("keras.src.backend.torch.core.Variable._convert_to_tensor")
+    elif not isinstance(torch_core.Variable.__dict__.get("value"), property):
+        missing.append("keras.src.backend.torch.core.Variable.value (a property)")
     if not hasattr(variable, "_value"):
         missing.append("Variable._value")
     if not hasattr(torch_core, "convert_to_numpy"):

@@ -1,0 +1,293 @@
+"""FSDP on PyTorch with plain-tensor compute, as FSDP2 does it.
+
+When every sharded variable is split along the batch axis only (pure FSDP:
+`kd.FSDP` without a model axis that splits variables), DTensor's per-op
+dispatch buys nothing: each layer can run on whole weights and this process'
+rows as plain tensors. `ShardedRun` then uses the autograd functions here
+instead of DTensor ops:
+
+- `gather_layer_variables`: one all-gather per layer call brings the whole
+  value of every batch-split variable the layer owns, bucketed into one
+  buffer (FSDP2 gathers a module's parameters the same way). Its backward is
+  one reduce-scatter that leaves each process the average over processes of
+  the gradients of its own part; replicated variables of the layer ride in
+  the same reduce-scatter (each process writes its gradient into every
+  process' slot), so their gradients are averaged too. The gradients come
+  back as DTensors laid out like their variables.
+- `gather_rows`: the model's outputs, each process' rows, gathered into the
+  whole batch's outputs on every process (the loss and the metrics are
+  computed on the whole batch, the same on every process). Its backward
+  returns this process' rows of the gradient times the number of processes.
+- `sum_over_processes`: what layers computed from this process' rows alone
+  (the losses they add, weighted by rows), summed into the same value on
+  every process. Its backward sums the gradient over processes: N times this
+  process' share, as `gather_rows` gives.
+
+Why an average and that factor: every process computes the same loss from
+the same whole outputs. A gradient that reaches a weight through the outputs
+then depends on this process' rows only (a partial sum): times N, averaged
+over the N processes, it is the sum of the parts, the whole gradient. A
+gradient that does not pass through the outputs (a layer called on whole
+tensors in a custom step) is already whole and the same on every process:
+its average is itself. The rows are split as DTensor's
+`Shard(0)` splits them (`torch.chunk`), so uneven batches need no padding of
+the data, only of the collective's buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as torch_distributed
+from torch.distributed.tensor import DTensor, Shard
+
+# torch 2.13 renamed the collectives into flat tensors; torch 2.4 has the old names.
+_all_gather = getattr(
+    torch_distributed, "all_gather_single", torch_distributed.all_gather_into_tensor
+)
+_reduce_scatter = getattr(
+    torch_distributed, "reduce_scatter_single", torch_distributed.reduce_scatter_tensor
+)
+
+
+def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, length) of part `index` of `size` items split as `torch.chunk`
+    (and DTensor's `Shard`) split them: parts of ceil(size / parts), the last
+    ones shorter or empty."""
+    step = math.ceil(size / parts) if size else 0
+    start = min(index * step, size)
+    return start, min(step, size - start)
+
+
+@dataclass(frozen=True)
+class BatchGroup:
+    """The processes along the batch axis of the mesh: its process group,
+    their number and this process' index among them."""
+
+    group: Any
+    size: int
+    index: int
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How one variable of a layer is gathered: `dim` is the dimension split
+    along the batch axis (None: replicated along it)."""
+
+    dim: int | None
+    shape: tuple[int, ...]
+    placements: tuple
+    stride: tuple[int, ...]
+
+    def padded_shape(self, parts: int) -> tuple[int, ...]:
+        """The shape of one process' part, padded to the largest part."""
+        shape = list(self.shape)
+        if self.dim is not None:
+            shape[self.dim] = math.ceil(shape[self.dim] / parts)
+        return tuple(shape)
+
+
+def _pad_along(tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """`tensor` with zeros appended along `dim` up to `length`: every process
+    sends the same number of elements, as the collectives need."""
+    if tensor.shape[dim] == length:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = length
+    padded = tensor.new_zeros(shape)
+    padded.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
+    return padded
+
+
+class _GatherLayer(torch.autograd.Function):
+    """Whole plain values of a layer's DTensor variables (see the module)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, batch: BatchGroup, mesh: Any, specs: Sequence[_Spec], *values: Any
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.batch, ctx.mesh, ctx.specs = batch, mesh, specs
+        ctx.set_materialize_grads(False)
+        parts = batch.size
+        locals_ = [value.to_local() for value in values]
+        split = [
+            _pad_along(local, spec.dim, spec.padded_shape(parts)[spec.dim]).reshape(-1)
+            for spec, local in zip(specs, locals_, strict=True)
+            if spec.dim is not None
+        ]
+        outputs: list[torch.Tensor] = []
+        gathered = None
+        if split:
+            send = torch.cat(split) if len(split) > 1 else split[0]
+            gathered = send.new_empty(parts * send.numel())
+            _all_gather(gathered, send.contiguous(), group=batch.group)
+            gathered = gathered.view(parts, send.numel())
+        offset = 0
+        for spec, local in zip(specs, locals_, strict=True):
+            if spec.dim is None:
+                outputs.append(local.view_as(local))
+                continue
+            padded = spec.padded_shape(parts)
+            count = math.prod(padded)
+            block = gathered[:, offset : offset + count].reshape(parts, *padded)
+            offset += count
+            # (parts, ..., part, ...) -> (..., parts * part, ...), then the padding
+            # at the end of the split dimension cut off.
+            whole = block.movedim(0, spec.dim).reshape(
+                *padded[: spec.dim], -1, *padded[spec.dim + 1 :]
+            )
+            outputs.append(whole.narrow(spec.dim, 0, spec.shape[spec.dim]).contiguous())
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        batch, specs = ctx.batch, ctx.specs
+        parts = batch.size
+        rows: list[torch.Tensor] = []  # each (parts, n): what goes to each process
+        for spec, grad, needed in zip(
+            specs, grads, ctx.needs_input_grad[3:], strict=True
+        ):
+            if grad is None or not needed:
+                continue
+            if spec.dim is None:
+                # Every process receives this process' whole gradient: the
+                # reduce-scatter sums it over processes (an all-reduce).
+                flat = grad.reshape(1, -1)
+                rows.append(flat.expand(parts, flat.shape[1]))
+                continue
+            padded = spec.padded_shape(parts)
+            grad = _pad_along(grad, spec.dim, padded[spec.dim] * parts)
+            split = grad.reshape(
+                *padded[: spec.dim], parts, padded[spec.dim], *padded[spec.dim + 1 :]
+            )
+            rows.append(split.movedim(spec.dim, 0).reshape(parts, -1))
+        if not rows:
+            return (None, None, None, *(None for _ in specs))
+        send = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]
+        received = send.new_empty(send.shape[1])
+        _reduce_scatter(received, send.reshape(-1), group=batch.group)
+        received.div_(parts)
+        results: list[Any] = []
+        offset = 0
+        for spec, grad, needed in zip(
+            specs, grads, ctx.needs_input_grad[3:], strict=True
+        ):
+            if grad is None or not needed:
+                results.append(None)
+                continue
+            if spec.dim is None:
+                count = math.prod(spec.shape)
+                local = received[offset : offset + count].view(spec.shape)
+            else:
+                padded = spec.padded_shape(parts)
+                count = math.prod(padded)
+                _, length = chunk_bounds(spec.shape[spec.dim], parts, batch.index)
+                local = (
+                    received[offset : offset + count]
+                    .view(padded)
+                    .narrow(spec.dim, 0, length)
+                    .contiguous()
+                )
+            offset += count
+            results.append(
+                DTensor.from_local(
+                    local,
+                    ctx.mesh,
+                    spec.placements,
+                    run_check=False,
+                    shape=torch.Size(spec.shape),
+                    stride=spec.stride,
+                )
+            )
+        return (None, None, None, *results)
+
+
+def gather_layer_variables(
+    batch: BatchGroup, mesh: Any, batch_axis: int, values: Sequence[DTensor]
+) -> tuple[torch.Tensor, ...]:
+    """Whole plain values of `values` (DTensors split along mesh axis
+    `batch_axis`, or replicated along it), in one all-gather per dtype; their
+    gradients are reduce-scattered (averaged) in one collective per dtype."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, value in enumerate(values):
+        by_dtype.setdefault(value.dtype, []).append(index)
+    outputs: list[Any] = [None] * len(values)
+    for indices in by_dtype.values():
+        specs = []
+        for index in indices:
+            value = values[index]
+            placement = value.placements[batch_axis]
+            specs.append(
+                _Spec(
+                    dim=placement.dim if isinstance(placement, Shard) else None,
+                    shape=tuple(value.shape),
+                    placements=tuple(value.placements),
+                    stride=tuple(value.stride()),
+                )
+            )
+        wholes = _GatherLayer.apply(
+            batch, mesh, tuple(specs), *(values[index] for index in indices)
+        )
+        for index, whole in zip(indices, wholes, strict=True):
+            outputs[index] = whole
+    return tuple(outputs)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every process' rows of a tensor, in process order (see the module)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, batch: BatchGroup, total: int, local: torch.Tensor
+    ) -> torch.Tensor:
+        parts = batch.size
+        ctx.batch, ctx.total = batch, total
+        step = math.ceil(total / parts)
+        send = _pad_along(local, 0, step).contiguous()
+        gathered = send.new_empty((parts * step, *send.shape[1:]))
+        _all_gather(gathered, send, group=batch.group)
+        # torch.chunk fills every part but the last non-empty one: the whole
+        # is the first `total` rows of the padded parts laid end to end.
+        return gathered[:total]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        batch = ctx.batch
+        start, length = chunk_bounds(ctx.total, batch.size, batch.index)
+        return None, None, grad.narrow(0, start, length) * batch.size
+
+
+def gather_rows(batch: BatchGroup, total: int, local: torch.Tensor) -> torch.Tensor:
+    """The whole batch (`total` rows) of a tensor of which this process holds
+    its rows, on every process; see the module for its gradient."""
+    return _GatherRows.apply(batch, total, local)
+
+
+class _SumOverProcesses(torch.autograd.Function):
+    """A tensor summed over the processes of the batch axis, differentiably
+    (the gradient of a sum over processes is the sum of the gradients)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, batch: BatchGroup, tensor: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.batch = batch
+        total = tensor.clone()
+        torch_distributed.all_reduce(total, group=batch.group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        total = grad.clone()
+        torch_distributed.all_reduce(total, group=ctx.batch.group)
+        return None, total
+
+
+def sum_over_processes(batch: BatchGroup, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over the processes along the batch axis (all of them
+    get the sum), with its gradient."""
+    return _SumOverProcesses.apply(batch, tensor)
