@@ -16,6 +16,14 @@ processes (one CPU device and one torch thread each, gloo), taking turns:
   `torch.optim.Adam` (same learning rate and epsilon),
   `torch.nn.CrossEntropyLoss`, each process feeding its half of every global
   batch, `loss.item()` every step. It calls the same `StepTimer` hooks itself.
+  FSDP2's default, `reshard_after_forward=True`: each layer's gathered
+  weights are freed after its forward and all-gathered again in its backward,
+  as `kd.FSDP` does. The baseline (`--check` compares against it).
+- `fully_shard_no_reshard`: the same loop with
+  `fully_shard(..., reshard_after_forward=False)`: the gathered weights stay
+  until the backward (one all-gather per layer and step instead of two, more
+  memory). The result's `ratio_against_no_reshard` is the median over repeats
+  of `keras_dist_fsdp` / this candidate, each pair timed back to back.
 
 Memory: in a short fit of each (outside the timing), the bytes each process
 holds of the weights and the optimizer's state while training: local shards of
@@ -33,6 +41,8 @@ KERAS_BACKEND=torch PYTHONPATH=. python -m keras_dist launch --nproc-per-node 2 
 from __future__ import annotations
 
 import os
+import statistics
+import sys
 from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -167,6 +177,16 @@ def processes_holding_shards(module: torch.nn.Module) -> int:
     return int(mine.item())
 
 
+def paired_ratio(timings: dict[str, Any], name: str, other: str) -> float:
+    """The median over repeats of `name`'s median step / `other`'s (each pair
+    timed back to back), as the runner computes ratios against the baseline."""
+    repeats = {c["name"]: c["repeats"] for c in timings["candidates"]}
+    return statistics.median(
+        mine["median_step_s"] / theirs["median_step_s"]
+        for mine, theirs in zip(repeats[name], repeats[other], strict=True)
+    )
+
+
 class _History:
     """What the harness reads from a `fit`'s return value."""
 
@@ -174,34 +194,17 @@ class _History:
         self.history = {"loss": [loss]}
 
 
-def main() -> None:
-    args = entry_arguments(__doc__.splitlines()[0])
-    if kd.num_processes() != PROCESSES:
-        raise RuntimeError(
-            f"This entry needs {PROCESSES} processes; it runs in "
-            f"{kd.num_processes()}. Start it with `keras-dist launch "
-            f"--nproc-per-node {PROCESSES}` (run.py does)."
-        )
-    torch.set_num_threads(1)
+def fully_shard_loop(
+    x: np.ndarray, y: np.ndarray, mesh: Any, *, reshard: bool
+) -> tuple[torch.nn.Module, Any, Any]:
+    """The hand-written FSDP2 loop: its module, its fit (the harness' `fit`
+    signature) and a reader of the bytes it holds."""
     world_size, rank = kd.num_processes(), kd.process_id()
-    x, y = synthetic_data(max(args.steps, args.warmup_steps) * GLOBAL_BATCH)
-
-    # -- keras_dist ---------------------------------------------------------------
-    fsdp = kd.FSDP(min_size=MIN_SIZE)
-    fsdp_model = build_model()
-    fit_fsdp = fit_steps(fsdp_model, x, y, lambda: [kd.DistributeCallback(fsdp)])
-    dp_model = build_model()
-    fit_dp = fit_steps(
-        dp_model, x, y, lambda: [kd.DistributeCallback(kd.DataParallel())]
-    )
-
-    # -- the hand-written fully_shard loop ------------------------------------
-    mesh = init_device_mesh("cpu", (world_size,))
     loop_model = torch_twin(build_model())
     for module in loop_model:
         if isinstance(module, torch.nn.Linear):
-            fully_shard(module, mesh=mesh)
-    fully_shard(loop_model, mesh=mesh)
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(loop_model, mesh=mesh, reshard_after_forward=reshard)
     optimizer = torch.optim.Adam(loop_model.parameters(), lr=LEARNING_RATE, eps=EPSILON)
     loss_fn = torch.nn.CrossEntropyLoss()
     local = GLOBAL_BATCH // world_size
@@ -246,6 +249,35 @@ def main() -> None:
             ],
         }
 
+    return loop_model, fit_loop, loop_held_bytes
+
+
+def main() -> None:
+    args = entry_arguments(__doc__.splitlines()[0])
+    if kd.num_processes() != PROCESSES:
+        raise RuntimeError(
+            f"This entry needs {PROCESSES} processes; it runs in "
+            f"{kd.num_processes()}. Start it with `keras-dist launch "
+            f"--nproc-per-node {PROCESSES}` (run.py does)."
+        )
+    torch.set_num_threads(1)
+    world_size, rank = kd.num_processes(), kd.process_id()
+    x, y = synthetic_data(max(args.steps, args.warmup_steps) * GLOBAL_BATCH)
+
+    # -- keras_dist ---------------------------------------------------------------
+    fsdp = kd.FSDP(min_size=MIN_SIZE)
+    fsdp_model = build_model()
+    fit_fsdp = fit_steps(fsdp_model, x, y, lambda: [kd.DistributeCallback(fsdp)])
+    dp_model = build_model()
+    fit_dp = fit_steps(
+        dp_model, x, y, lambda: [kd.DistributeCallback(kd.DataParallel())]
+    )
+
+    # -- the hand-written fully_shard loops ----------------------------------------
+    mesh = init_device_mesh("cpu", (world_size,))
+    loop_model, fit_loop, loop_held_bytes = fully_shard_loop(x, y, mesh, reshard=True)
+    _, fit_loop_no_reshard, _ = fully_shard_loop(x, y, mesh, reshard=False)
+
     # -- memory, outside the timing ------------------------------------------------
     memory: dict[str, dict[str, Any]] = {}
     for name, fit in (("keras_dist_fsdp", fit_fsdp), ("keras_dist_dp", fit_dp)):
@@ -254,6 +286,7 @@ def main() -> None:
         memory[name] = probe.record
     fit_loop(MEMORY_STEPS, [])
     memory["fully_shard"] = loop_held_bytes()
+    fit_loop_no_reshard(MEMORY_STEPS, [])  # the same steps as every candidate
     for record in memory.values():
         # The process that holds the most decides what fits.
         mine = torch.tensor([record["held_bytes"]], dtype=torch.int64)
@@ -272,6 +305,11 @@ def main() -> None:
             "torch MLP, fully_shard per Linear and root, torch Adam, own loop",
             fit_loop,
         ),
+        Candidate(
+            "fully_shard_no_reshard",
+            "the same with fully_shard(reshard_after_forward=False)",
+            fit_loop_no_reshard,
+        ),
     ]
     timings = run_interleaved(
         candidates,
@@ -287,6 +325,15 @@ def main() -> None:
     }
     if rank != 0:
         return
+    against_no_reshard = paired_ratio(
+        timings, "keras_dist_fsdp", "fully_shard_no_reshard"
+    )
+    print(
+        "keras_dist_fsdp / fully_shard_no_reshard median step-time ratio "
+        f"{against_no_reshard:.3f}",
+        file=sys.stderr,
+        flush=True,
+    )
     params = fsdp_model.count_params()
     result = entry_result(
         "torch_fsdp",
@@ -297,6 +344,7 @@ def main() -> None:
         baseline="fully_shard",
         memory=memory,
         devices_used=devices_used,
+        ratio_against_no_reshard=against_no_reshard,
         versions={
             "keras": keras.__version__,
             "torch": torch.__version__,

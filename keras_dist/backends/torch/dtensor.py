@@ -70,6 +70,7 @@ from keras_dist._keras_compat import layers_of, slot_owners
 from keras_dist.backends.torch import keras_internals as internals
 from keras_dist.backends.torch.fsdp_compute import (
     BatchGroup,
+    ReshardAfterForward,
     chunk_bounds,
     gather_layer_variables,
     gather_rows,
@@ -400,8 +401,10 @@ class ShardedRun:
       FSDP2 does. Each process computes on its rows of every batch as plain
       tensors, each layer call gathers the whole values of its own variables
       in one all-gather (`fsdp_compute`), whose backward reduce-scatters the
-      gradients onto their owners; the model's outputs are gathered into the
-      whole batch's. A variable read inside the model outside its own layer
+      gradients onto their owners; the whole values are freed when the
+      layer's forward ends and gathered again in its backward (inside the
+      steps: `_step`); the model's outputs are gathered into the whole
+      batch's. A variable read inside the model outside its own layer
       (a tied weight), or while the loss is computed (a weight regularizer),
       is gathered the same way. No DTensor op runs inside the model, so an
       op there that mixes rows sees this process' rows only, as under
@@ -440,6 +443,9 @@ class ShardedRun:
         # layer's call, for one model call: id(variable) -> [variable, whole
         # value, its version].
         self._read_cache: dict[int, list[Any]] = {}
+        # Plain compute: frees those whole values when their layer's forward
+        # ends and gathers them again in its backward.
+        self._reshard = ReshardAfterForward()
         self._rows: list[int] = []  # rows of the whole batch, per model call
         self._all_layers: list[Any] = []  # the model and every layer in it
         # Plain compute, elementwise optimizer: id(variable) -> a Parameter
@@ -646,6 +652,7 @@ class ShardedRun:
             _reading.pop()
         read = list(self._read_cache.values())
         self._read_cache.clear()
+        self._reshard.release([whole for _, whole, _ in read])
         self._check_not_written(self.model, read)
         total = self._rows.pop() if self._rows else 0
         self._average_added_losses(total)
@@ -682,12 +689,13 @@ class ShardedRun:
         ]
         if not variables:
             return
-        whole = gather_layer_variables(
+        whole, regathers = gather_layer_variables(
             self._batch,
             self.mesh,
             self._batch_axis_index(),
             [internals.variable_storage(variable) for variable in variables],
         )
+        self._reshard.hold(whole, regathers)
         for variable, value in zip(variables, whole, strict=True):
             internals.set_variable_storage(variable, value)
         self._layer_gathers[id(layer)] = [
@@ -709,6 +717,7 @@ class ShardedRun:
         for variable, version in zip(variables, versions, strict=True):
             gathered.append([variable, internals.variable_storage(variable), version])
             internals.set_variable_storage(variable, self._values[id(variable)])
+        self._reshard.release([whole for _, whole, _ in gathered])
         self._check_not_written(layer, gathered)
 
     def _check_not_written(self, layer: Any, gathered: list[list[Any]]) -> None:
@@ -738,9 +747,10 @@ class ShardedRun:
         per model call, its gradient reduce-scattered like a layer's."""
         held = self._read_cache.get(id(variable))
         if held is None:
-            (whole,) = gather_layer_variables(
+            (whole,), regathers = gather_layer_variables(
                 self._batch, self.mesh, self._batch_axis_index(), [value]
             )
+            self._reshard.hold([whole], regathers)
             held = self._read_cache[id(variable)] = [variable, whole, whole._version]
         return held[1]
 
@@ -761,6 +771,7 @@ class ShardedRun:
                 _reading.pop()
             read = list(self._read_cache.values())
             self._read_cache.clear()
+            self._reshard.release([whole for _, whole, _ in read])
             self._check_not_written(self.model, read)
 
     def _average_added_losses(self, total: int) -> None:
@@ -899,6 +910,7 @@ class ShardedRun:
                 internals.set_variable_storage(variable, self._values[id(variable)])
         self._layer_gathers.clear()
         self._read_cache.clear()
+        self._reshard.clear()
         self._rows.clear()
         while self in _reading:
             _reading.remove(self)
@@ -958,7 +970,14 @@ class ShardedRun:
         if filtering:
             keras.config.disable_traceback_filtering()
         try:
-            with implicit_replication(), _attention_kernels():
+            # Plain compute: a layer's whole weights are freed after its
+            # forward, gathered again in its backward (see `Regather`).
+            resharding = (
+                self._reshard.hooks()
+                if self._batch is not None
+                else contextlib.nullcontext()
+            )
+            with implicit_replication(), _attention_kernels(), resharding:
                 yield
         except NotImplementedError:
             raise

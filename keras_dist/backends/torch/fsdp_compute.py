@@ -14,6 +14,12 @@ instead of DTensor ops:
   the same reduce-scatter (each process writes its gradient into every
   process' slot), so their gradients are averaged too. The gradients come
   back as DTensors laid out like their variables.
+- `ReshardAfterForward` / `Regather`: the whole values live only while their
+  layer's forward runs (FSDP2's default, `reshard_after_forward=True`). What
+  the layer's ops save of them for backward is saved as a handle
+  (`saved_tensors_hooks`), and the layer's backward all-gathers them again,
+  once, from the parts: two all-gathers per layer and step, and a peak of one
+  layer's whole weights at a time instead of the whole model's.
 - `gather_rows`: the model's outputs, each process' rows, gathered into the
   whole batch's outputs on every process (the loss and the metrics are
   computed on the whole batch, the same on every process). Its backward
@@ -103,6 +109,75 @@ def _pad_along(tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return padded
 
 
+def _gather_wholes(
+    batch: BatchGroup, specs: Sequence[_Spec], locals_: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """Whole plain values from this process' parts (`locals_`, laid out as
+    `specs` say), in one all-gather (a collective: every process calls it)."""
+    parts = batch.size
+    split = [
+        _pad_along(local, spec.dim, spec.padded_shape(parts)[spec.dim]).reshape(-1)
+        for spec, local in zip(specs, locals_, strict=True)
+        if spec.dim is not None
+    ]
+    outputs: list[torch.Tensor] = []
+    gathered = None
+    if split:
+        send = torch.cat(split) if len(split) > 1 else split[0]
+        gathered = send.new_empty(parts * send.numel())
+        _all_gather(gathered, send.contiguous(), group=batch.group)
+        gathered = gathered.view(parts, send.numel())
+    offset = 0
+    for spec, local in zip(specs, locals_, strict=True):
+        if spec.dim is None:
+            outputs.append(local.view_as(local))
+            continue
+        padded = spec.padded_shape(parts)
+        count = math.prod(padded)
+        block = gathered[:, offset : offset + count].reshape(parts, *padded)
+        offset += count
+        # (parts, ..., part, ...) -> (..., parts * part, ...), then the padding
+        # at the end of the split dimension cut off.
+        whole = block.movedim(0, spec.dim).reshape(
+            *padded[: spec.dim], -1, *padded[spec.dim + 1 :]
+        )
+        outputs.append(whole.narrow(spec.dim, 0, spec.shape[spec.dim]).contiguous())
+    return tuple(outputs)
+
+
+class Regather:
+    """How to gather one `gather_layer_variables` bucket again, for backward.
+
+    The whole values a layer's ops save for backward (a matmul saves its
+    weight) are what keeps them alive from the layer's forward to its
+    backward. `ShardedRun` packs them as this handle instead (a
+    `saved_tensors_hooks` pack), so they are freed when the layer's forward
+    ends, and `wholes()` all-gathers them again from the parts when backward
+    first needs one: FSDP2's default `reshard_after_forward=True`. The
+    gathered values are kept only while a saved tensor still refers to this
+    handle (autograd frees a node's saved tensors once it has run), so one
+    all-gather serves all of the layer's backward ops. The parts do not change
+    between a forward and its backward (the optimizer runs after), so the
+    values are the forward's; every process runs the same backward graph, in
+    the same order, so the all-gathers match across processes.
+    """
+
+    def __init__(
+        self, batch: BatchGroup, specs: Sequence[_Spec], values: Sequence[DTensor]
+    ):
+        self.batch, self.specs, self.values = batch, tuple(specs), tuple(values)
+        self._wholes: tuple[torch.Tensor, ...] | None = None
+
+    def wholes(self) -> tuple[torch.Tensor, ...]:
+        """The bucket's whole values, all-gathered on the first call."""
+        if self._wholes is None:
+            with torch.no_grad():
+                self._wholes = _gather_wholes(
+                    self.batch, self.specs, [value.to_local() for value in self.values]
+                )
+        return self._wholes
+
+
 class _GatherLayer(torch.autograd.Function):
     """Whole plain values of a layer's DTensor variables (see the module)."""
 
@@ -112,36 +187,7 @@ class _GatherLayer(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         ctx.batch, ctx.mesh, ctx.specs = batch, mesh, specs
         ctx.set_materialize_grads(False)
-        parts = batch.size
-        locals_ = [value.to_local() for value in values]
-        split = [
-            _pad_along(local, spec.dim, spec.padded_shape(parts)[spec.dim]).reshape(-1)
-            for spec, local in zip(specs, locals_, strict=True)
-            if spec.dim is not None
-        ]
-        outputs: list[torch.Tensor] = []
-        gathered = None
-        if split:
-            send = torch.cat(split) if len(split) > 1 else split[0]
-            gathered = send.new_empty(parts * send.numel())
-            _all_gather(gathered, send.contiguous(), group=batch.group)
-            gathered = gathered.view(parts, send.numel())
-        offset = 0
-        for spec, local in zip(specs, locals_, strict=True):
-            if spec.dim is None:
-                outputs.append(local.view_as(local))
-                continue
-            padded = spec.padded_shape(parts)
-            count = math.prod(padded)
-            block = gathered[:, offset : offset + count].reshape(parts, *padded)
-            offset += count
-            # (parts, ..., part, ...) -> (..., parts * part, ...), then the padding
-            # at the end of the split dimension cut off.
-            whole = block.movedim(0, spec.dim).reshape(
-                *padded[: spec.dim], -1, *padded[spec.dim + 1 :]
-            )
-            outputs.append(whole.narrow(spec.dim, 0, spec.shape[spec.dim]).contiguous())
-        return tuple(outputs)
+        return _gather_wholes(batch, specs, [value.to_local() for value in values])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
@@ -208,14 +254,17 @@ class _GatherLayer(torch.autograd.Function):
 
 def gather_layer_variables(
     batch: BatchGroup, mesh: Any, batch_axis: int, values: Sequence[DTensor]
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[Regather, int], ...]]:
     """Whole plain values of `values` (DTensors split along mesh axis
     `batch_axis`, or replicated along it), in one all-gather per dtype; their
-    gradients are reduce-scattered (averaged) in one collective per dtype."""
+    gradients are reduce-scattered (averaged) in one collective per dtype.
+    With each value, how to gather it again: its bucket's `Regather` and its
+    index there (for `ReshardAfterForward.hold`)."""
     by_dtype: dict[torch.dtype, list[int]] = {}
     for index, value in enumerate(values):
         by_dtype.setdefault(value.dtype, []).append(index)
     outputs: list[Any] = [None] * len(values)
+    regathers: list[Any] = [None] * len(values)
     for indices in by_dtype.values():
         specs = []
         for index in indices:
@@ -229,12 +278,97 @@ def gather_layer_variables(
                     stride=tuple(value.stride()),
                 )
             )
-        wholes = _GatherLayer.apply(
-            batch, mesh, tuple(specs), *(values[index] for index in indices)
-        )
-        for index, whole in zip(indices, wholes, strict=True):
+        bucket = [values[index] for index in indices]
+        wholes = _GatherLayer.apply(batch, mesh, tuple(specs), *bucket)
+        regather = Regather(batch, specs, bucket)
+        for position, (index, whole) in enumerate(zip(indices, wholes, strict=True)):
             outputs[index] = whole
-    return tuple(outputs)
+            regathers[index] = (regather, position)
+    return tuple(outputs), tuple(regathers)
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A saved tensor that is (a view of) a gathered whole value: where to
+    find it again after `Regather.wholes()`."""
+
+    regather: Regather
+    index: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class ReshardAfterForward:
+    """Frees the whole values of a layer's variables when its forward ends
+    and gathers them again in its backward (see `Regather`).
+
+    `hold` registers a layer's gathered wholes (by storage) while it runs;
+    `release` forgets them when its forward ends. Inside `hooks()`, a tensor
+    autograd saves for backward whose storage is a held whole's (the whole
+    itself, or a view of it such as a transpose) is saved as a `_Packed`
+    handle rather than the tensor, so that nothing keeps the whole alive past
+    the layer's forward; any other tensor is saved as is.
+    """
+
+    def __init__(self) -> None:
+        # The data pointer of a held whole's storage -> (its Regather, index).
+        self._held: dict[int, tuple[Regather, int]] = {}
+
+    def hold(
+        self,
+        wholes: Sequence[torch.Tensor],
+        regathers: Sequence[tuple[Regather, int]],
+    ) -> None:
+        for whole, (regather, index) in zip(wholes, regathers, strict=True):
+            # A replicated value is a view of this process' own part, alive
+            # anyway: nothing to free.
+            if regather.specs[index].dim is not None and whole.numel():
+                self._held[whole.untyped_storage().data_ptr()] = (regather, index)
+
+    def release(self, wholes: Sequence[torch.Tensor]) -> None:
+        for whole in wholes:
+            if whole.numel():
+                self._held.pop(whole.untyped_storage().data_ptr(), None)
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if (
+            not self._held
+            or isinstance(tensor, DTensor)
+            or tensor.layout is not torch.strided
+            or tensor.device.type == "meta"
+            or not tensor.numel()
+        ):
+            return tensor  # not (a view of) a gathered whole value
+        held = self._held.get(tensor.untyped_storage().data_ptr())
+        if held is None:
+            return tensor
+        regather, index = held
+        if tensor.dtype != regather.values[index].dtype:
+            return tensor  # a reinterpreting view: keep it
+        return _Packed(
+            regather,
+            index,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.storage_offset(),
+        )
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Packed):
+            return saved
+        # The gathered wholes have the layout of the forward's (the same
+        # deterministic gather), so the view's geometry carries over.
+        whole = saved.regather.wholes()[saved.index]
+        return whole.as_strided(saved.size, saved.stride, saved.offset)
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context under which autograd saves held wholes as handles."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
 
 class _GatherRows(torch.autograd.Function):

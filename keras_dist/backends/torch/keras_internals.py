@@ -119,6 +119,10 @@ def check() -> list[str]:
     if not hasattr(keras_distribution_lib, "distribution_lib"):
         missing.append("keras.src.distribution.distribution_lib.distribution_lib")
     missing += _check_gradient_accumulation()
+    built = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    graph = getattr(built, "_functional", None)
+    if graph is None or not hasattr(graph, "_track_variables"):
+        missing.append("Sequential._functional._track_variables")
     return missing
 
 
@@ -539,10 +543,14 @@ def added_losses(layer: Any) -> list[Any]:
 
 def retrack_parameters(model: Any) -> None:
     """Point each layer's torch parameters (`model.parameters()`, what
-    `zero_grad` clears) at its variables' current values."""
+    `zero_grad` clears) at its variables' current values. A built Sequential's
+    graph (`_functional`, not one of its layers) tracks every variable too:
+    left out, it would keep the values replaced (FSDP's whole weights)
+    alive."""
     for layer in layers_of(model):
-        if hasattr(layer, "_torch_params"):
-            layer._track_variables()
+        for tracker in (layer, getattr(layer, "_functional", None)):
+            if hasattr(tracker, "_torch_params"):
+                tracker._track_variables()
 
 
 def convert_variables_to_numpy_via(convert: Callable[[Any], Any]) -> Callable:
