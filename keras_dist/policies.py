@@ -397,8 +397,11 @@ class FSDP(ModelParallel):
     pass gathers each layer's weights where they are used and the backward
     pass reduces each gradient onto its owner's part: on JAX through
     shardings (XLA inserts the all-gathers and reduce-scatters), on PyTorch
-    through DTensor, one process per device. Training is the same as on one
-    device with the global batch.
+    with the shards held as DTensors, one process per device: for the batch
+    axis alone each layer computes on plain tensors as FSDP2 does (its weights
+    gathered for its forward and again for its backward), with a model axis
+    through DTensor. Training is the same as on one device with the global
+    batch.
 
     Smaller variables (biases, norms), integer ones (seed states, counters)
     and those with no dimension that the axis divides stay replicated along
