@@ -648,12 +648,7 @@ class ShardedRun:
         self._release_layer(layer)
         if layer is not self.model:
             return None
-        if _reading and _reading[-1] is self:
-            _reading.pop()
-        read = list(self._read_cache.values())
-        self._read_cache.clear()
-        self._reshard.release([whole for _, whole, _ in read])
-        self._check_not_written(self.model, read)
+        self._end_reads()
         total = self._rows.pop() if self._rows else 0
         self._average_added_losses(total)
         batch = self._batch
@@ -767,12 +762,18 @@ class ShardedRun:
         try:
             yield
         finally:
-            if _reading and _reading[-1] is self:
-                _reading.pop()
-            read = list(self._read_cache.values())
-            self._read_cache.clear()
-            self._reshard.release([whole for _, whole, _ in read])
-            self._check_not_written(self.model, read)
+            self._end_reads()
+
+    def _end_reads(self) -> None:
+        """Stop gathering variables read outside their layer: free the whole
+        values read (their backward gathers them again) and check that none
+        was written."""
+        if _reading and _reading[-1] is self:
+            _reading.pop()
+        read = list(self._read_cache.values())
+        self._read_cache.clear()
+        self._reshard.release([whole for _, whole, _ in read])
+        self._check_not_written(self.model, read)
 
     def _average_added_losses(self, total: int) -> None:
         """Losses that layers added (`add_loss`, activity regularizers) from
