@@ -33,6 +33,8 @@ from typing import Any
 
 import keras
 
+import keras_dist as kd
+
 
 class StepTimer(keras.callbacks.Callback):
     """Records when `fit` starts and when each training step ends."""
@@ -165,6 +167,17 @@ def entry_arguments(description: str) -> argparse.Namespace:
         "--json-out", default="-", help="where to write the result; - is stdout"
     )
     return parser.parse_args()
+
+
+def require_processes(expected: int) -> None:
+    """Raise unless this job has `expected` processes (a multi-process entry
+    started without `keras-dist launch`)."""
+    if kd.num_processes() != expected:
+        raise RuntimeError(
+            f"This entry needs {expected} processes; it runs in "
+            f"{kd.num_processes()}. Start it with `keras-dist launch "
+            f"--nproc-per-node {expected}` (run.py does)."
+        )
 
 
 def entry_result(

@@ -276,9 +276,7 @@ def test_jax_still_cannot_defer_the_gradient_reduction():
     )
     kernel = jax.device_put(jnp.ones((4, 2)), NamedSharding(mesh, P()))
     bias = jax.device_put(jnp.ones((2,)), NamedSharding(mesh, P()))
-    x = jax.device_put(
-        jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("batch"))
-    )
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("batch")))
 
     def loss(kernel, bias, x):
         return jnp.mean((x @ kernel + bias) ** 2)

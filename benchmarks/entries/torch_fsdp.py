@@ -65,6 +65,7 @@ from benchmarks.harness import (  # noqa: E402
     compare_memory,
     entry_arguments,
     entry_result,
+    require_processes,
     run_interleaved,
     write_result,
 )
@@ -254,12 +255,7 @@ def fully_shard_loop(
 
 def main() -> None:
     args = entry_arguments(__doc__.splitlines()[0])
-    if kd.num_processes() != PROCESSES:
-        raise RuntimeError(
-            f"This entry needs {PROCESSES} processes; it runs in "
-            f"{kd.num_processes()}. Start it with `keras-dist launch "
-            f"--nproc-per-node {PROCESSES}` (run.py does)."
-        )
+    require_processes(PROCESSES)
     torch.set_num_threads(1)
     world_size, rank = kd.num_processes(), kd.process_id()
     x, y = synthetic_data(max(args.steps, args.warmup_steps) * GLOBAL_BATCH)
