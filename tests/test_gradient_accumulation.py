@@ -267,6 +267,7 @@ def test_jax_still_cannot_defer_the_gradient_reduction():
     from jax.sharding import PartitionSpec as P
 
     devices = jax.devices()[:8]
+    assert len(devices) == 8  # KERAS_DIST_CPU_DEVICES=8, as the suite runs
     auto = jax.sharding.Mesh(np.array(devices), ("batch",))
     with pytest.raises(ValueError, match="Explicit"):
         NamedSharding(auto, P(None, unreduced={"batch"}))
