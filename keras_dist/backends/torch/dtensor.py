@@ -498,6 +498,7 @@ class ShardedRun:
                 torch_distributed.broadcast(value, src=0)
                 variable.assign(value)
         internals.retrack_parameters(self.model)
+        self._all_layers = layers_of(self.model)
         self._batch = self._plain_compute_group()
         self._local_update = self._batch is not None and self._updates_elementwise()
         self._track_layers()
@@ -572,7 +573,6 @@ class ShardedRun:
                 return keras.tree.map_structure(to_full, outputs)
             return None
 
-        self._all_layers = layers_of(self.model)
         if self._batch is not None:
             enter, leave = self._enter_plain, self._leave_plain
         for layer in self._all_layers:
@@ -599,7 +599,7 @@ class ShardedRun:
             for axis, placement in enumerate(value.placements):
                 if axis != index and sizes[axis] > 1 and not placement.is_replicate():
                     return None
-        layers = layers_of(self.model)
+        layers = self._all_layers
         if any(isinstance(layer, keras.layers.BatchNormalization) for layer in layers):
             return None
         for layer in layers:
