@@ -43,8 +43,8 @@ from pathlib import Path
 import keras
 
 from benchmarks.mlp import GLOBAL_BATCH, build_model, describe, synthetic_data
-from keras_dist._keras_compat import saveable_variables
 from keras_dist.backends.jax import checkpoint as engine
+from keras_dist.checkpoint.keys import saveable_variables
 
 WAIT_SECONDS = 120.0
 

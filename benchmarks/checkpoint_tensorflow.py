@@ -48,8 +48,8 @@ import keras
 import tensorflow as tf
 
 from benchmarks.mlp import GLOBAL_BATCH, build_model, describe, synthetic_data
-from keras_dist._keras_compat import saveable_variables
 from keras_dist.backends.tensorflow import checkpoint as engine
+from keras_dist.checkpoint.keys import saveable_variables
 
 DEVICES = 4
 WAIT_SECONDS = 120.0

@@ -49,8 +49,8 @@ import torch.distributed as torch_distributed  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from benchmarks.harness import StepTimer  # noqa: E402
-from keras_dist._keras_compat import saveable_variables  # noqa: E402
 from keras_dist.backends.torch import checkpoint  # noqa: E402
+from keras_dist.checkpoint.keys import saveable_variables  # noqa: E402
 
 torch.set_num_threads(1)  # 2 processes share a 2-core machine
 BATCH, STEPS, EVERY, SAVES = 128, 60, 10, 7

@@ -23,6 +23,7 @@ separately as the first-step time).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -199,6 +200,37 @@ def entry_result(
         "repeats": args.repeats,
         **fields,
     }
+
+
+def versions() -> dict[str, str]:
+    """The versions an entry ran with: Keras, its backend's engine, keras_dist."""
+    backend = keras.backend.backend()
+    return {
+        "keras": keras.__version__,
+        backend: importlib.import_module(backend).__version__,
+        "keras_dist": kd.__version__,
+    }
+
+
+def report(
+    entry: str,
+    args: argparse.Namespace,
+    *,
+    devices: int,
+    global_batch: int,
+    **fields: Any,
+) -> None:
+    """Write the entry's result where `--json-out` says: `entry_result` with
+    the versions it ran with (the tail every entry shares)."""
+    result = entry_result(
+        entry,
+        args,
+        devices=devices,
+        global_batch=global_batch,
+        versions=versions(),
+        **fields,
+    )
+    write_result(args.json_out, result)
 
 
 def write_result(path: str, result: dict[str, Any]) -> None:

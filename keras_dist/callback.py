@@ -7,7 +7,7 @@ from typing import Any
 import keras
 
 from keras_dist.faults import heartbeat
-from keras_dist.session import DistributedRun, check_distribution
+from keras_dist.training.session import DistributedRun, check_distribution
 
 _MODES = ("train", "test", "predict")
 

@@ -37,14 +37,15 @@ def _devices(arguments: argparse.Namespace) -> int:
 def _env(arguments: argparse.Namespace) -> int:
     """`keras-dist env`: which cluster environment `keras_dist.initialize()`
     detects here, from which variables, and the job it would join."""
-    from keras_dist import cluster, runtime  # noqa: PLC0415
+    from keras_dist import cluster  # noqa: PLC0415
+    from keras_dist.cluster import resolve  # noqa: PLC0415
 
     overrides = {
         name: cluster.environment_value(name)
         for name in (
-            runtime.JOB_ADDRESSES_VARIABLE,
-            runtime.NUM_PROCESSES_VARIABLE,
-            runtime.PROCESS_ID_VARIABLE,
+            resolve.JOB_ADDRESSES_VARIABLE,
+            resolve.NUM_PROCESSES_VARIABLE,
+            resolve.PROCESS_ID_VARIABLE,
         )
     }
     report: dict[str, object] = {
@@ -67,7 +68,7 @@ def _env(arguments: argparse.Namespace) -> int:
                 "process_id_from": detected.process_id_source,
                 "local_process_id": detected.local_process_id(),
             }
-        coordinator, count, rank = runtime.resolve_cluster()
+        coordinator, count, rank = resolve.resolve_cluster()
         report["job"] = {
             "coordinator": coordinator,
             "num_processes": count,
@@ -216,7 +217,7 @@ def _plan_distribution(arguments: argparse.Namespace) -> Any:
 
 def _plan(arguments: argparse.Namespace) -> int:
     """`keras-dist plan`: the planner on a model-building function."""
-    from keras_dist.planner import plan  # noqa: PLC0415
+    from keras_dist.planner.plan import plan  # noqa: PLC0415
 
     try:
         memory = None
@@ -257,7 +258,7 @@ def _plan(arguments: argparse.Namespace) -> int:
 def _launch(arguments: argparse.Namespace) -> int:
     # The launcher needs only the standard library; the processes it starts
     # import keras and their backend themselves.
-    from keras_dist.launcher import LaunchConfig, Launcher  # noqa: PLC0415
+    from keras_dist.cluster.launcher import LaunchConfig, Launcher  # noqa: PLC0415
 
     try:
         config = LaunchConfig(

@@ -50,12 +50,12 @@ from typing import Any
 
 import keras
 
-from keras_dist._keras_compat import (
+from keras_dist.common.validation import check_positive_int
+from keras_dist.keras_compat.layers import (
     graph_calls,
     grouped_attention_projections,
     sublayers,
 )
-from keras_dist._validation import check_positive_int
 
 TRAINING_MULTIPLIER = 3
 

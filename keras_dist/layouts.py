@@ -23,11 +23,11 @@ from typing import Any
 
 import keras
 
-from keras_dist import runtime
-from keras_dist._keras_compat import layers_of
 from keras_dist.backends import get_adapter
-from keras_dist.layout_map import LayoutMap
-from keras_dist.mesh import TensorLayout
+from keras_dist.common import job
+from keras_dist.distribution.layout_map import LayoutMap
+from keras_dist.distribution.mesh import TensorLayout
+from keras_dist.keras_compat.layers import layers_of
 
 _COLUMN = "column"
 _ROW = "row"
@@ -383,7 +383,7 @@ def for_keras_hub(
         except NotImplementedError:
             hub_map = None
     if hub_map is None:
-        runtime.warn_once(
+        job.warn_once(
             f"{type(backbone).__name__} has no `get_layout_map` of its own; "
             "keras_dist.layouts.for_keras_hub uses "
             "keras_dist.layouts.tensor_parallel(backbone, mesh) instead.",
@@ -412,7 +412,7 @@ def for_keras_hub(
         if problems:
             layout_map.replicated[path] = "; ".join(problems)
             layout_map[path] = intended[path]
-            runtime.warn_once(
+            job.warn_once(
                 f"KerasHub's layout {axes} for {path!r} cannot be used: "
                 f"{'; '.join(problems)}. keras_dist lays it out as "
                 f"{intended[path]} instead.",

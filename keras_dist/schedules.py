@@ -20,9 +20,9 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_dist._keras_compat import KerasDistribution
-from keras_dist._validation import check_positive_int
-from keras_dist.state import distribution as active_distribution
+from keras_dist.common.validation import check_positive_int
+from keras_dist.distribution.state import distribution as active_distribution
+from keras_dist.keras_compat.distribution import KerasDistribution
 
 RULES = ("linear", "sqrt")
 

@@ -10,8 +10,8 @@ import keras
 
 from keras_dist.callback import DistributeCallback
 from keras_dist.checkpoint import Checkpoint
-from keras_dist.policies import Distribution
-from keras_dist.session import active_run, check_distribution
+from keras_dist.distribution.policies import Distribution
+from keras_dist.training.session import active_run, check_distribution
 
 
 class Trainer:

@@ -5,18 +5,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
 
+from keras_dist.cluster import find_free_port
+
 WORKERS = pathlib.Path(__file__).parent / "workers"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_job(
@@ -37,7 +32,7 @@ def run_job(
     writes its result to `output_dir/result-<rank>.json`. Every process is
     killed on timeout or failure, and the error shows their output.
     """
-    port = free_port()
+    port = find_free_port()
     output_dir.mkdir(parents=True, exist_ok=True)
     children = []
     for rank in range(processes):

@@ -17,10 +17,13 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist import _device_simulation, cluster, runtime
-from keras_dist._keras_compat import KerasDistribution
+from keras_dist import cluster
 from keras_dist.backends import get_adapter
-from keras_dist.session import DistributedRun
+from keras_dist.common import job
+from keras_dist.keras_compat.distribution import KerasDistribution
+from keras_dist.runtime import api as runtime
+from keras_dist.runtime import device_simulation
+from keras_dist.training.session import DistributedRun
 
 BACKEND = keras.backend.backend()
 DEVICES = kd.list_devices()
@@ -485,7 +488,7 @@ def test_data_parallel_devices_empty():
 
 
 def test_data_parallel_multi_axis_mesh_warns_once_on_process_zero(monkeypatch):
-    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(job, "_warned", set())
     mesh = mesh_2d()
     with pytest.warns(UserWarning, match=escaped(f"mesh of shape (1, {COUNT})")):
         distribution = kd.DataParallel(device_mesh=mesh)
@@ -497,11 +500,11 @@ def test_data_parallel_multi_axis_mesh_warns_once_on_process_zero(monkeypatch):
 
 
 def test_warnings_stay_quiet_on_other_processes(monkeypatch):
-    monkeypatch.setattr(runtime, "_warned", set())
-    monkeypatch.setattr(runtime, "process_id", lambda: 1)
+    monkeypatch.setattr(job, "_warned", set())
+    monkeypatch.setattr(job, "process_id", lambda: 1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        runtime.warn_once("only process 0 says this", UserWarning)
+        job.warn_once("only process 0 says this", UserWarning)
 
 
 def test_data_parallel_sync_batch_norm_is_a_keyword_bool():
@@ -952,20 +955,20 @@ def test_initialize_single_process_is_a_no_op(adapter_must_not_join):
     kd.initialize()
     kd.initialize("127.0.0.1:1234")
     kd.initialize(num_processes=1, process_id=0, timeout_seconds=1)
-    assert runtime._initialized == {}
+    assert job.joined() == {}
     assert kd.num_processes() == 1
 
 
 def test_initialize_cannot_join_a_second_job(monkeypatch, adapter_must_not_join):
     joined = {"coordinator": "127.0.0.1:1111", "count": 2, "rank": 0}
-    monkeypatch.setattr(runtime, "_initialized", dict(joined))
+    monkeypatch.setattr(job, "_joined", dict(joined))
     with pytest.raises(ValueError, match=escaped("coordinator=127.0.0.1:2222")):
         kd.initialize("127.0.0.1:2222", num_processes=2, process_id=0)
     with pytest.raises(ValueError, match=escaped("process_id=1")):
         kd.initialize("127.0.0.1:1111", num_processes=2, process_id=1)
     # Joining the same job again is a no-op.
     kd.initialize("127.0.0.1:1111", num_processes=2, process_id=0)
-    assert runtime._initialized == joined
+    assert job.joined() == joined
 
 
 # -- KERAS_DIST_CPU_DEVICES ----------------------------------------------------------
@@ -973,11 +976,11 @@ def test_initialize_cannot_join_a_second_job(monkeypatch, adapter_must_not_join)
 def test_requested_cpu_devices_malformed(raw):
     environ = {"KERAS_DIST_CPU_DEVICES": raw}
     with pytest.raises(ValueError, match=escaped(f"KERAS_DIST_CPU_DEVICES={raw!r}")):
-        _device_simulation.requested_cpu_devices(environ)
+        device_simulation.requested_cpu_devices(environ)
 
 
 def test_requested_cpu_devices_valid():
-    requested = _device_simulation.requested_cpu_devices
+    requested = device_simulation.requested_cpu_devices
     assert requested({}) is None
     assert requested({"KERAS_DIST_CPU_DEVICES": ""}) is None
     assert requested({"KERAS_DIST_CPU_DEVICES": "  "}) is None
@@ -988,6 +991,6 @@ def test_requested_cpu_devices_valid():
 def test_requested_cpu_devices_reads_the_process_environment(monkeypatch):
     monkeypatch.setenv("KERAS_DIST_CPU_DEVICES", "bad")
     with pytest.raises(ValueError, match=escaped("KERAS_DIST_CPU_DEVICES='bad'")):
-        _device_simulation.requested_cpu_devices()
+        device_simulation.requested_cpu_devices()
     monkeypatch.setenv("KERAS_DIST_CPU_DEVICES", "3")
-    assert _device_simulation.requested_cpu_devices() == 3
+    assert device_simulation.requested_cpu_devices() == 3

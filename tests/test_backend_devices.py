@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist import runtime
 from keras_dist.backends import get_adapter
+from keras_dist.common import job
+from keras_dist.runtime import api as runtime
 
 BACKEND = keras.backend.backend()
 CPU_DEVICES = (
@@ -97,7 +98,7 @@ def test_initialize_without_arguments_is_a_no_op(monkeypatch, no_cluster_env):
 
     monkeypatch.setattr(get_adapter(), "initialize", fail)
     assert kd.initialize() is None
-    assert runtime._initialized == {}
+    assert job.joined() == {}
     assert kd.num_processes() == 1
     assert kd.process_id() == 0
 
@@ -175,7 +176,7 @@ def test_torch_sharding_over_more_devices_than_processes_is_refused():
 def test_torch_layouts_become_dtensor_placements():
     from torch.distributed.tensor import Replicate, Shard
 
-    from keras_dist.backends.torch.dtensor import placements
+    from keras_dist.backends.torch.placements import placements
 
     names = ["batch", "model"]
     assert placements((None, "model"), names) == (Replicate(), Shard(1))
@@ -191,7 +192,7 @@ def test_torch_layouts_become_dtensor_placements():
 
 @pytest.mark.backend("torch")
 def test_torch_meshes_need_one_device_per_process():
-    from keras_dist.backends.torch.dtensor import mesh_ranks
+    from keras_dist.backends.torch.placements import mesh_ranks
 
     mesh = kd.DeviceMesh((1, 2), ["batch", "model"], ["cpu:1", "cpu:0"])
     assert mesh_ranks(mesh, 2).tolist() == [[1, 0]]
@@ -203,7 +204,7 @@ def test_torch_meshes_need_one_device_per_process():
 
 @pytest.mark.backend("torch")
 def test_torch_sharding_with_per_process_data_is_refused():
-    from keras_dist.backends.torch.dtensor import check_batch_axis
+    from keras_dist.backends.torch.placements import check_batch_axis
 
     devices = [f"cpu:{i}" for i in range(4)]
     mesh = kd.DeviceMesh((2, 2), ["batch", "model"], devices)

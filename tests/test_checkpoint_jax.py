@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist._keras_compat import saveable_variables
+from keras_dist.checkpoint.keys import saveable_variables
 from tests import parity
 from tests.multiprocess import WORKERS, run_job
 from tests.workers import checkpoint_jax_worker as worker

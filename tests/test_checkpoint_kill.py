@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_dist import saving
+from keras_dist.training import saving
 from tests.conftest import BACKEND
 from tests.multiprocess import WORKERS
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 
 import keras
@@ -165,6 +166,20 @@ def test_restore_gives_a_fresh_model_the_saved_predictions(uninterrupted):
     assert step == 18
     _assert_weights_equal(model.get_weights(), uninterrupted["weights"])
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 18
+
+
+def test_restore_takes_a_directory_relative_to_the_working_directory(
+    uninterrupted, monkeypatch
+):
+    # kd.Checkpoint takes relative directories; so does kd.restore (Orbax, on
+    # JAX, reads absolute paths only).
+    directory = pathlib.Path(uninterrupted["directory"])
+    monkeypatch.chdir(directory.parent)
+    model = build(dropout=True)
+    assert kd.restore(model, directory.name) == 18
+    _assert_weights_equal(model.get_weights(), uninterrupted["weights"])
+    with pytest.raises(TypeError, match="directory=3"):
+        kd.restore(model, 3)
 
 
 def test_restore_names_what_does_not_match(uninterrupted, tmp_path):

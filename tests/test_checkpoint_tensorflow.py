@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist._keras_compat import saveable_variables
 from keras_dist.backends.tensorflow import checkpoint as engine
+from keras_dist.checkpoint.keys import saveable_variables
 from tests.multiprocess import run_job
 from tests.workers import checkpoint_tf_worker as worker
 

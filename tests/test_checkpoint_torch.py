@@ -49,7 +49,7 @@ def saved_by_two(tmp_path_factory):
 
 
 def _state(worker, seed=77):
-    from keras_dist._keras_compat import saveable_variables  # noqa: PLC0415
+    from keras_dist.checkpoint.keys import saveable_variables  # noqa: PLC0415
 
     model = worker.build(seed=seed)
     return model, saveable_variables(model)
@@ -133,7 +133,7 @@ def saved_by_one(request, tmp_path_factory, engine, worker):
     import keras  # noqa: PLC0415
 
     import keras_dist as kd  # noqa: PLC0415
-    from keras_dist._keras_compat import saveable_variables  # noqa: PLC0415
+    from keras_dist.checkpoint.keys import saveable_variables  # noqa: PLC0415
 
     directory = tmp_path_factory.mktemp("checkpoint_torch_one") / "one"
     directory.mkdir()
@@ -239,7 +239,7 @@ def test_short_data_file_is_refused(tmp_path, engine, worker):
 def test_other_model_is_refused(tmp_path, engine, worker):
     import keras  # noqa: PLC0415
 
-    from keras_dist._keras_compat import saveable_variables  # noqa: PLC0415
+    from keras_dist.checkpoint.keys import saveable_variables  # noqa: PLC0415
 
     directory, entries = _saved(tmp_path, engine, worker)
     wider = keras.Sequential([keras.Input((7,)), keras.layers.Dense(64)])

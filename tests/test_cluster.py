@@ -20,7 +20,7 @@ import keras
 import pytest
 
 import keras_dist as kd
-from keras_dist import cluster, runtime
+from keras_dist import cluster
 from keras_dist.backends import get_adapter
 from keras_dist.cluster import (
     SlurmEnvironment,
@@ -28,7 +28,10 @@ from keras_dist.cluster import (
     TorchrunEnvironment,
     detect_cluster,
     expand_hostlist,
+    find_free_port,
 )
+from keras_dist.common import job
+from keras_dist.runtime import api as runtime
 
 BACKEND = keras.backend.backend()
 
@@ -421,7 +424,7 @@ def test_expand_hostlist_malformed(nodelist, why):
 def joins(monkeypatch):
     """Record what `initialize` hands the adapter instead of joining a job."""
     calls = []
-    monkeypatch.setattr(runtime, "_initialized", {})
+    monkeypatch.setattr(job, "_joined", {})
     # No other process checks in here (tests/test_missing_peer.py covers it).
     monkeypatch.setattr(runtime, "check_in_everyone", lambda *args, **kwargs: None)
     monkeypatch.setattr(
@@ -430,12 +433,6 @@ def joins(monkeypatch):
         lambda *args, **kwargs: calls.append((args, kwargs)),
     )
     return calls
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture
@@ -461,7 +458,7 @@ def test_initialize_waits_for_a_listening_coordinator(monkeypatch, joins, listen
 
 
 def test_initialize_waits_for_a_coordinator_that_starts_late(joins):
-    port = free_port()
+    port = find_free_port()
     server = socket.socket()
     server.bind(("127.0.0.1", port))
     starter = threading.Timer(0.5, server.listen)
@@ -475,7 +472,7 @@ def test_initialize_waits_for_a_coordinator_that_starts_late(joins):
 
 
 def test_initialize_unreachable_coordinator_fails_in_time(joins):
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{find_free_port()}"
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=escaped(address)) as info:
         kd.initialize(address, 3, 2, timeout_seconds=0.5)
@@ -487,7 +484,7 @@ def test_initialize_unreachable_coordinator_fails_in_time(joins):
 
 def test_initialize_process_zero_does_not_wait(joins):
     # Process 0 starts the coordinator itself.
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{find_free_port()}"
     kd.initialize(address, 2, 0, timeout_seconds=0.5)
     assert joins == [((address, 2, 0), {"timeout_seconds": 0.5})]
 
@@ -513,7 +510,7 @@ keras_dist.initialize("{address}", 2, 1, timeout_seconds=5)
 
 @pytest.mark.backend("jax", "torch")
 def test_unreachable_coordinator_ends_the_process_in_time():
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{find_free_port()}"
     start = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-c", UNREACHABLE.format(address=address)],
@@ -539,7 +536,7 @@ print("joined", keras_dist.num_processes(), keras_dist.process_id(), flush=True)
 
 @pytest.mark.backend("jax", "torch")
 def test_torchrun_variables_join_a_real_job():
-    port = free_port()
+    port = find_free_port()
     children = []
     try:
         # Rank 1 first: it waits for rank 0's coordinator to come up.

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist.session import active_run
+from keras_dist.training.session import active_run
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A home or work directory of some machine: /home/ann/..., /Users/bo/..., /work/...

@@ -31,9 +31,9 @@ import time
 
 import pytest
 
-from keras_dist import launcher
+from keras_dist.cluster import find_free_port, launcher
 from tests.conftest import BACKEND
-from tests.multiprocess import free_port, log_of, wait_then_clean_up
+from tests.multiprocess import log_of, wait_then_clean_up
 from tests.test_launcher import LAUNCHER_FILE, is_alive, wait_until
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "fault_lifecycle_worker.py"
@@ -264,7 +264,7 @@ def test_a_job_without_the_launcher_reports_to_torchrun_and_cleans_up(tmp_path):
     state, temporary = tmp_path / "state", tmp_path / "tmp"
     state.mkdir()
     temporary.mkdir()
-    port = free_port()
+    port = find_free_port()
     ranks = []
     for rank in (0, 1):
         env = {

@@ -3,22 +3,27 @@
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import numpy as np
 import pytest
 
-from keras_dist._keras_compat import GlobalBatchNorm
+from keras_dist.common.batch_norm import GlobalBatchNorm
+from keras_dist.keras_compat.batch_norm import replace_moments
 
 
 def _moments(layer, x, rows, mask=None):
     model = keras.Sequential([layer])
     model.build(x.shape)
-    layers = GlobalBatchNorm.install(model, GlobalBatchNorm.Replicas())
+    undo = replace_moments(
+        model, functools.partial(GlobalBatchNorm.moments, GlobalBatchNorm.Replicas())
+    )
     try:
         with GlobalBatchNorm.rows(keras.ops.convert_to_tensor(rows)):
             mean, variance = layer._moments(keras.ops.convert_to_tensor(x), mask)
     finally:
-        GlobalBatchNorm.uninstall(layers)
+        undo()
     return keras.ops.convert_to_numpy(mean), keras.ops.convert_to_numpy(variance)
 
 
@@ -62,11 +67,13 @@ def test_outside_a_keras_dist_step_keras_own_moments_run():
     model = keras.Sequential([layer])
     x = np.random.default_rng(2).normal(size=(5, 3)).astype("float32")
     model.build(x.shape)
-    layers = GlobalBatchNorm.install(model, GlobalBatchNorm.Replicas())
+    undo = replace_moments(
+        model, functools.partial(GlobalBatchNorm.moments, GlobalBatchNorm.Replicas())
+    )
     try:
         ours = layer._moments(keras.ops.convert_to_tensor(x), None)
     finally:
-        GlobalBatchNorm.uninstall(layers)
+        undo()
     keras_own = type(layer)._moments(layer, keras.ops.convert_to_tensor(x), None)
     for a, b in zip(ours, keras_own, strict=True):
         np.testing.assert_array_equal(
@@ -93,12 +100,14 @@ def test_a_batch_known_to_have_no_padding_uses_keras_own_moments():
     x = np.random.default_rng(3).normal(size=(4, 3)).astype("float32")
     model.build(x.shape)
     tensor = keras.ops.convert_to_tensor(x)
-    layers = GlobalBatchNorm.install(model, GlobalBatchNorm.Replicas())
+    undo = replace_moments(
+        model, functools.partial(GlobalBatchNorm.moments, GlobalBatchNorm.Replicas())
+    )
     try:
         with GlobalBatchNorm.rows(keras.ops.ones((4,)), padded=False):
             ours = layer._moments(tensor, None)
     finally:
-        GlobalBatchNorm.uninstall(layers)
+        undo()
     keras_own = type(layer)._moments(layer, tensor, None)
     for a, b in zip(ours, keras_own, strict=True):
         np.testing.assert_array_equal(

@@ -19,8 +19,9 @@ import keras
 import pytest
 
 import keras_dist as kd
-from keras_dist import cli, launcher
-from keras_dist.faults import hang_doctor, heartbeat
+from keras_dist import cli
+from keras_dist.cluster import hang_doctor, launcher
+from keras_dist.faults import heartbeat
 from tests.multiprocess import WORKERS, run_job
 
 BACKEND = keras.backend.backend()

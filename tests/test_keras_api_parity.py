@@ -18,9 +18,12 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist import cluster, runtime
+from keras_dist import cluster
 from keras_dist.backends import get_adapter
-from tests.multiprocess import WORKERS, free_port, run_job, wait_then_clean_up
+from keras_dist.cluster import find_free_port
+from keras_dist.common import job
+from keras_dist.runtime import api as runtime
+from tests.multiprocess import WORKERS, run_job, wait_then_clean_up
 from tests.workers import keras_api_scenarios as scenarios
 
 BACKEND = keras.backend.backend()
@@ -293,7 +296,7 @@ def test_initialize_with_nothing_configured_asks_the_backend(asked):
     kd.initialize(timeout_seconds=7)
     assert asked == [{"timeout_seconds": 7}]
     # A plain machine: nothing detected, one process, as before.
-    assert runtime._initialized == {}
+    assert job.joined() == {}
     assert kd.num_processes() == 1
 
 
@@ -394,7 +397,7 @@ def _open_mpi_job(port: int, output_dir: pathlib.Path) -> list[dict]:
 
 @pytest.mark.backend("jax")
 def test_initialize_joins_a_cluster_that_only_jax_detects(tmp_path):
-    results = _open_mpi_job(free_port(), tmp_path)
+    results = _open_mpi_job(find_free_port(), tmp_path)
     assert [r["processes"] for r in results] == [2, 2]
     assert [r["rank"] for r in results] == [0, 1]
     # One device per process, the same global list on both.

@@ -5,11 +5,11 @@ from __future__ import annotations
 import keras
 import pytest
 
-from keras_dist import _keras_compat
+from keras_dist import keras_compat
 
 
 def test_backend_neutral_keras_details_are_where_keras_dist_expects():
-    assert _keras_compat.check() == []
+    assert keras_compat.check() == []
 
 
 @pytest.mark.backend("jax")

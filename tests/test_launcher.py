@@ -22,10 +22,11 @@ import time
 
 import pytest
 
-from keras_dist import cli, launcher
+from keras_dist import cli
+from keras_dist.cluster import launcher
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
-LAUNCHER_FILE = REPOSITORY / "keras_dist" / "launcher.py"
+LAUNCHER_FILE = REPOSITORY / "keras_dist" / "cluster" / "launcher.py"
 TIMEOUT_SECONDS = 120  # a launcher process imports keras and a backend first
 
 RANK_VARIABLES = (
@@ -137,15 +138,22 @@ def _no_cluster_env(monkeypatch):
 
 def launcher_process(argv: list[str], tmp_path: pathlib.Path, *, cli_entry: bool):
     """The launcher as its own process, in its own session, output in files."""
+    env = None
     if cli_entry:
         command = [sys.executable, "-m", "keras_dist", "launch", *argv]
     else:
         # Load launcher.py by path: no keras, no backend, a fast start.
         command = [sys.executable, "-c", LOAD_LAUNCHER_ONLY, *argv]
+        env = launcher_environment()
     out = (tmp_path / "launcher.out").open("wb")
     err = (tmp_path / "launcher.err").open("wb")
     process = subprocess.Popen(
-        command, stdout=out, stderr=err, start_new_session=True, cwd=REPOSITORY
+        command,
+        stdout=out,
+        stderr=err,
+        start_new_session=True,
+        cwd=REPOSITORY,
+        env=env,
     )
     out.close()
     err.close()
@@ -158,14 +166,25 @@ spec = importlib.util.spec_from_file_location("launcher", {str(LAUNCHER_FILE)!r}
 module = importlib.util.module_from_spec(spec)
 sys.modules["launcher"] = module
 spec.loader.exec_module(module)
+# keras_dist's package itself is light; only its cluster/ modules may load.
+light = ("keras_dist", "keras_dist._version", "keras_dist.distribution",
+         "keras_dist.runtime", "keras_dist.runtime.device_simulation")
 heavy = sorted(
     name for name in sys.modules
     if name.split(".")[0] in ("keras", "keras_dist", "jax", "torch", "tensorflow")
+    and name not in light and not name.startswith("keras_dist.cluster")
 )
 if heavy:
     sys.exit(f"launcher.py imported {{heavy}}")
 sys.exit(module.launch(sys.argv[2], sys.argv[3:], nproc_per_node=int(sys.argv[1])))
 """
+
+
+def launcher_environment() -> dict[str, str]:
+    """This environment without the simulated devices the suite sets: with
+    `KERAS_DIST_CPU_DEVICES`, importing keras_dist starts the backend, which
+    the launcher, whose ranks here use only the standard library, must not."""
+    return {k: v for k, v in os.environ.items() if k != "KERAS_DIST_CPU_DEVICES"}
 
 
 # -- environment ---------------------------------------------------------------
@@ -427,6 +446,7 @@ def test_launcher_module_imports_neither_keras_nor_a_backend(tmp_path):
         capture_output=True,
         text=True,
         timeout=TIMEOUT_SECONDS,
+        env=launcher_environment(),
     )
 
     assert result.returncode == 0, result.stderr

@@ -23,7 +23,8 @@ import time
 import keras
 import pytest
 
-from keras_dist import _roll_call, cluster
+from keras_dist import cluster
+from keras_dist.cluster import find_free_port, roll_call
 
 BACKEND = keras.backend.backend()
 TIMEOUT_SECONDS = 5
@@ -40,12 +41,6 @@ print("initialize", time.time(), file=sys.stderr, flush=True)
 keras_dist.initialize()
 print("joined", flush=True)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def process_env(**variables: str) -> dict[str, str]:
@@ -136,7 +131,7 @@ def tf_config_env(own: str, other: str, **variables: str) -> dict[str, str]:
 
 def test_a_missing_side_or_a_taken_port_is_named_in_time():
     # The cases run at once, each on its own port: they are mostly waiting.
-    address_0, address_1 = (f"127.0.0.1:{free_port()}" for _ in range(2))
+    address_0, address_1 = (f"127.0.0.1:{find_free_port()}" for _ in range(2))
     within_timeout = (TIMEOUT_SECONDS - 1, TIMEOUT_SECONDS + SLACK_SECONDS)
     # case: (environment, texts stderr must hold, bounds on the seconds
     # from `initialize` to the end)
@@ -169,7 +164,7 @@ def test_a_missing_side_or_a_taken_port_is_named_in_time():
         (0, SLACK_SECONDS),
     )
     if BACKEND == "tensorflow":
-        own, other = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        own, other = f"127.0.0.1:{find_free_port()}", f"127.0.0.1:{find_free_port()}"
         cases["TF_CONFIG worker 0 alone"] = (
             tf_config_env(own, other),
             [
@@ -202,10 +197,10 @@ def test_a_missing_side_or_a_taken_port_is_named_in_time():
 
 
 def test_process_zero_waiting_for_the_others_stops_on_ctrl_c():
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{find_free_port()}"
     env = rank_env(address, 0, KERAS_DIST_INIT_TIMEOUT="60")
     if BACKEND == "tensorflow":  # where TensorFlow ignored signals: TF_CONFIG
-        other = f"127.0.0.1:{free_port()}"
+        other = f"127.0.0.1:{find_free_port()}"
         env = tf_config_env(address, other, KERAS_DIST_INIT_TIMEOUT="60")
     process = start(env)
     before = []
@@ -237,7 +232,7 @@ def test_process_zero_waiting_for_the_others_stops_on_ctrl_c():
 def test_tf_config_workers_started_together_join_on_the_checked_port():
     # The roll call uses worker 0's own TF_CONFIG port, which TensorFlow's
     # server binds right after it: both workers must still join.
-    addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    addresses = [f"127.0.0.1:{find_free_port()}" for _ in range(2)]
     processes = []
     for index in (1, 0):
         config = {
@@ -269,7 +264,7 @@ def roll_call_in_threads(calls: dict[int, dict], address: str) -> dict[int, str 
 
     def run(rank: int) -> None:
         try:
-            _roll_call.roll_call(address, process_id=rank, **calls[rank])
+            roll_call.roll_call(address, process_id=rank, **calls[rank])
             errors[rank] = None
         except RuntimeError as error:
             errors[rank] = str(error)
@@ -284,7 +279,7 @@ def roll_call_in_threads(calls: dict[int, dict], address: str) -> dict[int, str 
 
 
 def test_roll_call_frees_the_port_for_the_backend_at_once():
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{find_free_port()}"
     calls = {rank: {"num_processes": 3, "timeout_seconds": 20} for rank in (2, 1, 0)}
     assert roll_call_in_threads(calls, address) == {0: None, 1: None, 2: None}
     # Bound without SO_REUSEADDR: no TIME_WAIT left on the coordinator's side.
@@ -294,7 +289,7 @@ def test_roll_call_frees_the_port_for_the_backend_at_once():
 
 
 def test_every_process_that_came_names_the_one_that_did_not():
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{find_free_port()}"
     calls = {rank: {"num_processes": 3, "timeout_seconds": 1} for rank in (1, 0)}
     errors = roll_call_in_threads(calls, address)
     assert "for process 2, which never checked in (2 of the job's 3" in errors[0]
@@ -311,7 +306,7 @@ def test_every_process_that_came_names_the_one_that_did_not():
     ],
 )
 def test_inconsistent_ranks_are_named(count, first, second, message):
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{find_free_port()}"
     calls = {rank: {"num_processes": count, "timeout_seconds": 10} for rank in first}
     waiting = threading.Thread(
         target=lambda: errors.update(roll_call_in_threads(calls, address))
@@ -321,7 +316,7 @@ def test_inconsistent_ranks_are_named(count, first, second, message):
     time.sleep(0.3)
     rank, claimed_count = second
     with pytest.raises(RuntimeError, match="process 0 gave up") as info:
-        _roll_call.roll_call(address, claimed_count, rank, timeout_seconds=10)
+        roll_call.roll_call(address, claimed_count, rank, timeout_seconds=10)
     waiting.join(timeout=30)
     assert message in str(info.value)
     for rank in first:
@@ -329,7 +324,7 @@ def test_inconsistent_ranks_are_named(count, first, second, message):
 
 
 def test_something_else_at_the_coordinator_port_is_named():
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{find_free_port()}"
     sender = threading.Thread(
         target=lambda: socket.create_connection(
             ("127.0.0.1", int(address.rsplit(":", 1)[1]))
@@ -338,7 +333,7 @@ def test_something_else_at_the_coordinator_port_is_named():
     timer = threading.Timer(0.3, sender.start)
     timer.start()
     with pytest.raises(RuntimeError, match="not a keras_dist check-in"):
-        _roll_call.roll_call(address, 2, 0, timeout_seconds=10)
+        roll_call.roll_call(address, 2, 0, timeout_seconds=10)
     timer.join()
     sender.join(timeout=10)
 
@@ -349,7 +344,7 @@ def test_a_coordinator_that_never_answers_is_named():
         silent.listen()
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         with pytest.raises(RuntimeError, match="no keras_dist coordinator answered"):
-            _roll_call.roll_call(address, 2, 1, timeout_seconds=0.5)
+            roll_call.roll_call(address, 2, 1, timeout_seconds=0.5)
 
 
 def test_process_zero_going_away_after_the_check_in_is_named():
@@ -367,7 +362,7 @@ def test_process_zero_going_away_after_the_check_in_is_named():
         thread = threading.Thread(target=answer_then_leave)
         thread.start()
         with pytest.raises(RuntimeError, match="process 0 went away"):
-            _roll_call.roll_call(address, 2, 1, timeout_seconds=10)
+            roll_call.roll_call(address, 2, 1, timeout_seconds=10)
         thread.join(timeout=10)
 
 
@@ -377,7 +372,7 @@ def test_a_port_that_cannot_be_opened_is_named(monkeypatch):
 
     monkeypatch.setattr(socket, "create_server", refuse)
     with pytest.raises(RuntimeError, match=r"address 127\.0\.0\.1:80 \(\[Errno 13\]"):
-        _roll_call.roll_call("127.0.0.1:80", 2, 0, timeout_seconds=1)
+        roll_call.roll_call("127.0.0.1:80", 2, 0, timeout_seconds=1)
 
 
 def test_tf_config_names_tasks_and_torchrun_agent_store_skips(monkeypatch):
@@ -388,11 +383,11 @@ def test_tf_config_names_tasks_and_torchrun_agent_store_skips(monkeypatch):
         "task": {"type": "chief", "index": 0},
     }
     monkeypatch.setenv("TF_CONFIG", json.dumps(config))
-    describe = _roll_call._describe_from_tf_config("c:1", 3)
+    describe = roll_call._describe_from_tf_config("c:1", 3)
     assert describe(2) == "2 (TF_CONFIG worker 1 at w:3)"
     # A job formed elsewhere (other coordinator or size): TF_CONFIG is stale.
-    assert _roll_call._describe_from_tf_config("h:9", 3) is str
-    assert _roll_call._describe_from_tf_config("c:1", 2) is str
+    assert roll_call._describe_from_tf_config("h:9", 3) is str
+    assert roll_call._describe_from_tf_config("c:1", 2) is str
     # Under torchrun's agent store nothing listens or connects.
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    _roll_call.check_in_everyone("127.0.0.1:9", 2, 1, timeout_seconds=0.1)
+    roll_call.check_in_everyone("127.0.0.1:9", 2, 1, timeout_seconds=0.1)

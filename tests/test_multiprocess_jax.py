@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 
+from keras_dist.cluster import find_free_port
 from tests.multiprocess import (
     WORKERS,
     assert_each_sample_once_per_epoch,
     assert_own_data_parity,
-    free_port,
     log_of,
     run_job,
 )
@@ -210,7 +210,7 @@ def test_launcher_ends_the_job_when_a_process_dies_mid_epoch(tmp_path):
 
 
 def test_multi_host_example_on_two_loopback_hosts(tmp_path):
-    port = str(free_port())
+    port = str(find_free_port())
     example = str(EXAMPLES / "multi_host" / "train.py")
     hosts = [
         _launch(

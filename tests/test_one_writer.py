@@ -151,7 +151,7 @@ def test_backup_and_restore_resumes_a_distributed_fit(how, tmp_path):
 
 def test_a_save_that_fails_midway_leaves_the_previous_file_whole(tmp_path):
     """Process 0 writes to a temporary name and renames it when complete."""
-    from keras_dist import saving  # noqa: PLC0415
+    from keras_dist.training import saving  # noqa: PLC0415
 
     target = tmp_path / "m.weights.h5"
     target.write_bytes(b"the previous, complete file")
@@ -181,9 +181,7 @@ def test_model_checkpoint_directories_appearing_meanwhile_are_accepted(tmp_path)
     it: all but the first used to fail with FileExistsError."""
     from keras.src.callbacks import model_checkpoint  # noqa: PLC0415
 
-    from keras_dist._keras_compat import (  # noqa: PLC0415
-        tolerate_existing_directories,
-    )
+    from keras_dist.keras_compat.saving import tolerate_existing_directories  # noqa: PLC0415
 
     made = tmp_path / "made-by-another-process"
     made.mkdir()

@@ -1,7 +1,27 @@
-"""Architecture rules that keep the package honest."""
+"""Architecture rules that keep the package honest (`ARCHITECTURE.md`).
+
+The layers, from the floor up; each imports only from the layers below it (or
+from its own package), imports inside functions included:
+
+    cluster, _version   standard library only
+    common              shared by the adapters, asks nobody
+    keras_compat        every touch of Keras' private API
+    faults
+    backends            the only code that imports jax, torch or tensorflow
+    runtime
+    distribution
+    planner
+    training
+    checkpoint
+    layouts, schedules, flops, callbacks
+    callback, trainer
+    __init__, __main__, cli
+"""
 
 from __future__ import annotations
 
+import ast
+import os
 import pathlib
 import re
 import subprocess
@@ -9,6 +29,213 @@ import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_dist"
 BACKEND_IMPORT = re.compile(r"^\s*(import|from)\s+(jax|torch|tensorflow)\b", re.M)
+
+LAYERS = [
+    {"cluster", "_version"},
+    {"common"},
+    {"keras_compat"},
+    {"faults"},
+    {"backends"},
+    {"runtime"},
+    {"distribution"},
+    {"planner"},
+    {"training"},
+    {"checkpoint"},
+    {"layouts", "schedules", "flops", "callbacks"},
+    {"callback", "trainer"},
+    {"__init__", "__main__", "cli"},
+]
+# Upward imports allowed, each with its reason: none today (at most 3).
+UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
+MAX_LINES = 700
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, str, int]]:
+    """`(module imported, name taken from it or "", line)` for every import of
+    a keras_dist module in `path`, inside functions too."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [
+                (alias.name, "", node.lineno)
+                for alias in node.names
+                if alias.name.split(".")[0] == "keras_dist"
+            ]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] == "keras_dist":
+                found += [(node.module, a.name, node.lineno) for a in node.names]
+    return found
+
+
+def _edges() -> list[tuple[str, str, str, int]]:
+    """`(importer, imported module, name, line)`: a `from package import
+    module` counts as an import of that module."""
+    edges = []
+    for importer, path in MODULES.items():
+        for module, name, line in _imports(path):
+            target = f"{module}.{name}" if f"{module}.{name}" in MODULES else module
+            edges.append((importer, target, name, line))
+    return edges
+
+
+def _part(module: str) -> str:
+    """The first name below `keras_dist` (`"backends"`, `"cli"`, ...);
+    `"__init__"` for the package itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _layer(module: str) -> int:
+    part = _part(module)
+    for index, names in enumerate(LAYERS):
+        if part in names:
+            return index
+    raise AssertionError(f"{module} belongs to no layer: add {part!r} to LAYERS")
+
+
+def test_every_module_belongs_to_a_layer():
+    for module in MODULES:
+        _layer(module)
+
+
+def test_each_layer_imports_only_from_the_layers_below_it():
+    upward = [
+        f"{importer}:{line} imports {target}"
+        for importer, target, _, line in _edges()
+        if _part(importer) != _part(target)
+        and _layer(target) > _layer(importer)
+        and (importer, target) not in UPWARD_ALLOWED
+    ]
+    assert upward == []
+    assert len(UPWARD_ALLOWED) <= 3
+
+
+def test_backends_import_only_common_keras_compat_cluster_and_faults():
+    allowed = {"backends", "common", "keras_compat", "cluster", "faults"}
+    offenders = [
+        f"{importer}:{line} imports {target}"
+        for importer, target, _, line in _edges()
+        if _part(importer) == "backends" and _part(target) not in allowed
+    ]
+    assert offenders == []
+
+
+def test_common_and_cluster_import_nothing_above_them():
+    offenders = [
+        f"{importer}:{line} imports {target}"
+        for importer, target, _, line in _edges()
+        if (_part(importer) == "common" and _part(target) != "common")
+        or (_part(importer) == "cluster" and _part(target) != "cluster")
+    ]
+    assert offenders == []
+
+
+def test_cluster_imports_only_the_standard_library():
+    stdlib = set(sys.stdlib_module_names)
+    offenders = []
+    for module, path in MODULES.items():
+        if _part(module) != "cluster":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            for name in names:
+                top = name.split(".")[0]
+                if top not in stdlib and not name.startswith("keras_dist.cluster"):
+                    offenders.append(f"{module}:{node.lineno} imports {name}")
+    assert offenders == []
+
+
+def test_no_module_imports_a_private_name_of_another():
+    offenders = [
+        f"{importer}:{line} imports {name} from {target}"
+        for importer, target, name, line in _edges()
+        if name.startswith("_")
+        and not (name.startswith("__") and name.endswith("__"))
+        and target != importer
+    ]
+    assert offenders == []
+
+
+def test_no_import_cycle_between_modules():
+    graph: dict[str, set[str]] = {module: set() for module in MODULES}
+    for importer, target, _, _ in _edges():
+        if target in MODULES and target != importer:
+            graph[importer].add(target)
+    # A package's __init__ that re-exports its modules is not a cycle with
+    # them: a module importing a sibling through the package imports the
+    # sibling (`_edges` resolves it), never the package's other names.
+    cycles = [
+        component for component in _strongly_connected(graph) if len(component) > 1
+    ]
+    assert cycles == []
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iteratively."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    components: list[list[str]] = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                components.append(sorted(component))
+    return components
+
+
+def test_modules_stay_small():
+    long = {
+        module: lines
+        for module, path in MODULES.items()
+        if (lines := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
 
 
 def test_only_each_backends_own_modules_import_it():
@@ -28,6 +255,7 @@ def test_import_keras_dist_never_imports_an_integrations_engine():
     """Ray and Kubernetes belong to `integrations/`, installed as extras."""
     code = (
         "import sys, keras_dist, keras_dist.cluster, keras_dist.cli; "
+        "keras_dist.DataParallel; "
         "print(sorted(m for m in ('ray', 'kubernetes', 'kubernetes_validate', "
         "'keras_dist_ray') if m in sys.modules))"
     )
@@ -38,20 +266,59 @@ def test_import_keras_dist_never_imports_an_integrations_engine():
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_import_keras_dist_alone_imports_neither_keras_nor_a_backend():
+    """Without simulated devices, `import keras_dist` (the CLI, the launcher)
+    starts at once; the public API loads Keras on first use."""
+    code = (
+        "import sys, keras_dist, keras_dist.cluster, keras_dist.cli; "
+        "heavy = lambda: sorted(m for m in ('keras', 'jax', 'torch', 'tensorflow') "
+        "if m in sys.modules); print(heavy()); keras_dist.DataParallel; "
+        "print(heavy())"
+    )
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name != "KERAS_DIST_CPU_DEVICES"
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = done.stdout.strip().splitlines()[-2:]
+    assert before == "[]"
+    assert "'keras'" in after
+
+
 def test_keras_private_imports_stay_in_the_compat_modules():
     allowed = {
-        "_keras_compat.py",
         "backends/jax/keras_internals.py",
         "backends/torch/keras_internals.py",
         "backends/tensorflow/keras_internals.py",
+        "backends/tensorflow/keras_steps.py",
     }
     offenders = [
         str(path.relative_to(PACKAGE))
         for path in PACKAGE.rglob("*.py")
         if "keras.src" in path.read_text()
         and path.relative_to(PACKAGE).as_posix() not in allowed
+        and path.relative_to(PACKAGE).parts[0] != "keras_compat"
     ]
     assert offenders == []
+
+
+def test_importing_the_package_patches_keras_in_one_place():
+    """Rule 7: what importing keras_dist patches is applied by
+    `keras_compat.patch_keras`, called once, from one module."""
+    callers = [
+        module
+        for module, path in MODULES.items()
+        if "patch_keras(" in path.read_text() and _part(module) != "keras_compat"
+    ]
+    assert callers == ["keras_dist.training.session"]
 
 
 def test_no_pass_bodies_in_the_package():

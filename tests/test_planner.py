@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist.planner import plan
+from keras_dist.planner.plan import plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -355,25 +355,25 @@ def test_cli_plans_a_mesh_larger_than_the_machine(tmp_path, monkeypatch, capsys)
 def test_slot_table_matches_keras_optimizers_built_on_shapes():
     # TensorFlow's optimizers take real variables only; there the planner
     # counts slots from this table, so it must say what building says.
-    from keras_dist import _plan_slots
+    from keras_dist.planner import slots
 
     model = keras.Sequential(
         [keras.Input((3,)), keras.layers.Dense(2, name="d")], name="m"
     )
-    optimizers = [getattr(keras.optimizers, name)() for name in _plan_slots.SLOT_TABLE]
+    optimizers = [getattr(keras.optimizers, name)() for name in slots.SLOT_TABLE]
     optimizers += [
         keras.optimizers.SGD(momentum=0.9),
         keras.optimizers.Adam(amsgrad=True, use_ema=True),
         keras.optimizers.RMSprop(momentum=0.5, centered=True),
     ]
     stand_ins = [
-        _plan_slots._StandIn(v.path, tuple(v.shape), v.dtype)
+        slots._StandIn(v.path, tuple(v.shape), v.dtype)
         for v in model.trainable_variables
     ]
     from_table = set()
     for optimizer in optimizers:
-        built, note = _plan_slots.optimizer_slots(model, optimizer)
-        table, _ = _plan_slots._from_table(optimizer, stand_ins, RuntimeError("test"))
+        built, note = slots.optimizer_slots(model, optimizer)
+        table, _ = slots._from_table(optimizer, stand_ins, RuntimeError("test"))
         if "building a copy" not in note:
             from_table.add(type(optimizer).__name__)
             continue

@@ -32,9 +32,8 @@ from benchmarks.harness import (
     Candidate,
     devices_holding,
     entry_arguments,
-    entry_result,
+    report,
     run_interleaved,
-    write_result,
 )
 from benchmarks.mlp import (
     GLOBAL_BATCH,
@@ -87,7 +86,7 @@ def main() -> None:
         skip_steps=args.skip_steps,
         warmup_steps=args.warmup_steps,
     )
-    result = entry_result(
+    report(
         "jax_data_parallel",
         args,
         devices=DEVICES,
@@ -98,14 +97,8 @@ def main() -> None:
             "keras_dist": devices_holding(kd_model),
             "native": devices_holding(native_model),
         },
-        versions={
-            "keras": keras.__version__,
-            "jax": jax.__version__,
-            "keras_dist": kd.__version__,
-        },
         **timings,
     )
-    write_result(args.json_out, result)
 
 
 if __name__ == "__main__":

@@ -50,9 +50,8 @@ from benchmarks.harness import (
     compare_memory,
     devices_holding,
     entry_arguments,
-    entry_result,
+    report,
     run_interleaved,
-    write_result,
 )
 from benchmarks.mlp import (
     CLASSES,
@@ -190,7 +189,7 @@ def main() -> None:
         skip_steps=args.skip_steps,
         warmup_steps=args.warmup_steps,
     )
-    result = entry_result(
+    report(
         f"jax_fsdp ({devices} devices)",
         args,
         devices=devices,
@@ -203,14 +202,8 @@ def main() -> None:
             "keras_dist_dp": devices_holding(dp_model),
             "native": devices_holding(native_model),
         },
-        versions={
-            "keras": keras.__version__,
-            "jax": jax.__version__,
-            "keras_dist": kd.__version__,
-        },
         **timings,
     )
-    write_result(args.json_out, result)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,8 @@ import tensorflow as tf
 from benchmarks.harness import (
     Candidate,
     entry_arguments,
-    entry_result,
+    report,
     run_interleaved,
-    write_result,
 )
 from benchmarks.mlp import (
     GLOBAL_BATCH,
@@ -92,7 +91,7 @@ def main() -> None:
         skip_steps=args.skip_steps,
         warmup_steps=args.warmup_steps,
     )
-    result = entry_result(
+    report(
         "tf_mirrored",
         args,
         devices=DEVICES,
@@ -103,14 +102,8 @@ def main() -> None:
             "keras_dist": replicas_of(kd_model),
             "native": replicas_of(native_model),
         },
-        versions={
-            "keras": keras.__version__,
-            "tensorflow": tf.__version__,
-            "keras_dist": kd.__version__,
-        },
         **timings,
     )
-    write_result(args.json_out, result)
 
 
 if __name__ == "__main__":

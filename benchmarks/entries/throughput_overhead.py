@@ -44,9 +44,8 @@ from benchmarks.harness import (
     Candidate,
     devices_holding,
     entry_arguments,
-    entry_result,
+    report,
     run_interleaved,
-    write_result,
 )
 from benchmarks.mlp import (
     GLOBAL_BATCH,
@@ -55,8 +54,8 @@ from benchmarks.mlp import (
     fit_steps,
     synthetic_data,
 )
-from keras_dist import _keras_compat
 from keras_dist.callbacks import Throughput
+from keras_dist.keras_compat.epoch_iterator import timed_reads
 
 DEVICES = 8
 
@@ -84,7 +83,7 @@ def hook_cost(model: keras.Model, steps: int = 20_000) -> dict:
     callback.on_train_batch_begin(0)
     callback.on_train_batch_end(0, {})  # the one-off FLOP count
     # What fit reads its batches through while the callback runs.
-    timed = _keras_compat._timed_reads(iter(range(steps)))
+    timed = timed_reads(iter(range(steps)))
     start = time.perf_counter()
     for step in range(steps):
         next(timed)
@@ -182,7 +181,7 @@ def main() -> None:
         skip_steps=args.skip_steps,
         warmup_steps=args.warmup_steps,
     )
-    result = entry_result(
+    report(
         "throughput_overhead",
         args,
         devices=DEVICES,
@@ -192,14 +191,8 @@ def main() -> None:
         devices_used=devices_used,
         async_cost=async_cost(args.steps, args.repeats),
         hook_cost=hook_cost(model),
-        versions={
-            "keras": keras.__version__,
-            "jax": jax.__version__,
-            "keras_dist": kd.__version__,
-        },
         **timings,
     )
-    write_result(args.json_out, result)
 
 
 if __name__ == "__main__":

@@ -55,10 +55,9 @@ from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     Candidate,
     entry_arguments,
-    entry_result,
+    report,
     require_processes,
     run_interleaved,
-    write_result,
 )
 from benchmarks.mlp import fit_steps  # noqa: E402
 
@@ -203,7 +202,7 @@ def main() -> None:
     if rank != 0:
         return
     params = kd_model.count_params()
-    result = entry_result(
+    report(
         "torch_ddp",
         args,
         devices=world_size,
@@ -211,14 +210,8 @@ def main() -> None:
         model=f"guide-style convnet on {IMAGE_SHAPE}, {params:,} params, Adam",
         baseline="torch_loop",
         devices_used=devices_used,
-        versions={
-            "keras": keras.__version__,
-            "torch": torch.__version__,
-            "keras_dist": kd.__version__,
-        },
         **timings,
     )
-    write_result(args.json_out, result)
 
 
 if __name__ == "__main__":

@@ -64,10 +64,9 @@ from benchmarks.harness import (  # noqa: E402
     StepTimer,
     compare_memory,
     entry_arguments,
-    entry_result,
+    report,
     require_processes,
     run_interleaved,
-    write_result,
 )
 from benchmarks.mlp import (  # noqa: E402
     CLASSES,
@@ -331,7 +330,7 @@ def main() -> None:
         flush=True,
     )
     params = fsdp_model.count_params()
-    result = entry_result(
+    report(
         "torch_fsdp",
         args,
         devices=world_size,
@@ -341,14 +340,8 @@ def main() -> None:
         memory=memory,
         devices_used=devices_used,
         ratio_against_no_reshard=against_no_reshard,
-        versions={
-            "keras": keras.__version__,
-            "torch": torch.__version__,
-            "keras_dist": kd.__version__,
-        },
         **timings,
     )
-    write_result(args.json_out, result)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import importlib
 import keras
 
 from keras_dist.backends.base import BackendAdapter
+from keras_dist.common import job
 
 _ADAPTER_MODULES = {
     "jax": "keras_dist.backends.jax.adapter",
@@ -27,7 +28,10 @@ def get_adapter() -> BackendAdapter:
             f"{sorted(_ADAPTER_MODULES)}. Received: backend={backend_name!r}. "
             "Set KERAS_BACKEND to one of them."
         )
-    return importlib.import_module(module_name).ADAPTER
+    adapter = importlib.import_module(module_name).ADAPTER
+    # Every layer asks the job's facts for this process' rank (`warn_once`).
+    job.set_rank_source(adapter.process_id)
+    return adapter
 
 
 __all__ = ["BackendAdapter", "get_adapter"]

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
-from keras_dist._keras_compat import (
-    GlobalBatchNorm,
+from keras_dist.common.batch_norm import GlobalBatchNorm
+from keras_dist.common.row_aware import (
     average_gradients_in,
     inject_loss_weights,
-    install_row_aware_metrics,
     optimizers_of,
 )
+from keras_dist.keras_compat.batch_norm import replace_moments
+from keras_dist.keras_compat.metrics import install_row_aware_metrics
 
 
 class BackendAdapter(abc.ABC):
@@ -50,8 +52,8 @@ class BackendAdapter(abc.ABC):
     def _normalize_batches(self, model: Any, replicas: Any) -> None:
         """BatchNormalization over the real rows of the batch across `replicas`
         (a `GlobalBatchNorm.Replicas`) until `deactivate(model)`."""
-        layers = GlobalBatchNorm.install(model, replicas)
-        self._on_deactivate(model, lambda: GlobalBatchNorm.uninstall(layers))
+        moments = functools.partial(GlobalBatchNorm.moments, replicas)
+        self._on_deactivate(model, replace_moments(model, moments))
 
     def _count_real_rows(self, model: Any) -> None:
         """Keras' loss trackers and compiled metrics, and `model.compute_loss`

@@ -8,12 +8,12 @@ from typing import Any
 
 import keras
 
-from keras_dist._keras_compat import time_batch_reads
-from keras_dist._validation import check_positive_int
 from keras_dist.backends import get_adapter
 from keras_dist.callbacks.peaks import peak_flops_per_device
+from keras_dist.common.job import timeout_seconds, warn_once
+from keras_dist.common.validation import check_positive_int
 from keras_dist.flops import FlopCount, count_flops
-from keras_dist.runtime import _timeout_from_environment, warn_once
+from keras_dist.keras_compat.epoch_iterator import time_batch_reads
 
 
 class Throughput(keras.callbacks.Callback):
@@ -255,7 +255,7 @@ class Throughput(keras.callbacks.Callback):
         everyone = [own]
         if self._processes > 1:
             everyone = get_adapter().gather_numbers(
-                own, timeout_seconds=_timeout_from_environment()
+                own, timeout_seconds=timeout_seconds()
             )
         step_time, compute_time, data_time = (
             math.fsum(column) / len(everyone) for column in zip(*everyone, strict=True)

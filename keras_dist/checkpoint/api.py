@@ -7,8 +7,8 @@ from typing import Any
 
 import keras
 
-from keras_dist import saving
 from keras_dist.checkpoint import state as checkpoint_state
+from keras_dist.training import saving
 
 
 def restore(model: Any, directory: str | os.PathLike, step: int | None = None) -> int:
@@ -44,6 +44,13 @@ def restore(model: Any, directory: str | os.PathLike, step: int | None = None) -
             f"kd.restore needs a keras.Model. Received: {model!r} of type "
             f"{type(model).__name__}"
         )
+    if not isinstance(directory, str | os.PathLike):
+        raise TypeError(
+            "`directory` must be the directory a kd.Checkpoint saved into. "
+            f"Received: directory={directory!r} of type {type(directory).__name__}"
+        )
+    # As kd.Checkpoint: Orbax (JAX) reads absolute paths only.
+    directory = os.path.abspath(os.fspath(directory))
     path, manifest = checkpoint_state.find_step(directory, step)
     state = checkpoint_state.match(
         model, manifest, path, weights_only=bool(manifest.get("weights_only"))

@@ -12,21 +12,21 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_dist import random_streams
-from keras_dist._keras_compat import (
-    calling_callback_list,
-    saveable_variables,
-    set_initial_epoch,
-    start_next_epoch_at,
-    watch_new_iterators,
-)
+from keras_dist._version import __version__
 from keras_dist.backends import get_adapter
 from keras_dist.checkpoint import engine as engines
 from keras_dist.checkpoint import state as checkpoint_state
 from keras_dist.checkpoint import store
+from keras_dist.checkpoint.keys import saveable_variables
 from keras_dist.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preemption
+from keras_dist.common import job, random_streams
 from keras_dist.faults import heartbeat, lifecycle
-from keras_dist.runtime import _timeout_from_environment
+from keras_dist.keras_compat.callbacks import calling_callback_list
+from keras_dist.keras_compat.epoch_iterator import (
+    set_initial_epoch,
+    start_next_epoch_at,
+    watch_new_iterators,
+)
 
 # The state of Keras' own callbacks that a resume needs (public attributes).
 # EarlyStopping's `best_weights` (a copy of every weight) is not kept.
@@ -173,7 +173,7 @@ class Checkpoint(keras.callbacks.Callback):
         adapter = get_adapter()
         self._rank = adapter.process_id()
         self._processes = adapter.num_processes()
-        self._timeout = _timeout_from_environment()
+        self._timeout = job.timeout_seconds()
         self._preemption = Preemption(self.directory, self._rank, self._processes)
         self._preemption.start()
         self._training = True
@@ -421,8 +421,6 @@ class Checkpoint(keras.callbacks.Callback):
     def _manifest(
         self, variables: dict[str, Any], position: dict[str, Any]
     ) -> dict[str, Any]:
-        from keras_dist import __version__  # noqa: PLC0415
-
         distribution = keras.distribution.distribution()
         return {
             "engine": checkpoint_state.current_engine_name(),
@@ -628,30 +626,9 @@ def _streams(data: bool) -> list[Any]:
 
 def _random_state_words(*, data: bool = False) -> list[int]:
     """NumPy's and Python's generators, the backend's (torch), and with
-    `data` the one keras_dist shuffles with (TensorFlow, several workers),
-    as one list of words: the pieces in that order, each led by its length."""
-    words = [random_streams.global_random_state()]
-    for stream in _streams(data):
-        words.append(
-            np.zeros(0, "uint32")
-            if stream is None
-            else np.asarray(stream.get(), "uint32")
-        )
-    flat: list[int] = []
-    for piece in words:
-        flat += [len(piece), *(int(word) for word in piece)]
-    return flat
+    `data` the one keras_dist shuffles with (TensorFlow, several workers)."""
+    return random_streams.pack_random_states(_streams(data))
 
 
 def _set_random_state_words(words: list[int], *, data: bool = False) -> None:
-    pieces, index = [], 0
-    while index < len(words):
-        length = int(words[index])
-        pieces.append(np.asarray(words[index + 1 : index + 1 + length], "uint32"))
-        index += 1 + length
-    if not pieces:
-        return
-    random_streams.set_global_random_state(pieces[0])
-    for stream, piece in zip(_streams(data), pieces[1:], strict=False):
-        if stream is not None and len(piece):
-            stream.set(piece)
+    random_streams.unpack_random_states(words, _streams(data))

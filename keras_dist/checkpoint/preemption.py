@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from keras_dist.cluster.job_dir import PREEMPTED_EXIT_CODE
 from keras_dist.faults import lifecycle
-from keras_dist.launcher import PREEMPTED_EXIT_CODE
 
 REQUEST = ".keras_dist-preemption.json"
 # Steps between the step a signalled process has finished and the step every

@@ -14,9 +14,9 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_dist._keras_compat import saveable_variables
 from keras_dist.checkpoint import engine as engines
 from keras_dist.checkpoint import store
+from keras_dist.checkpoint.keys import saveable_variables
 
 _METRICS = "metrics/"
 _OPTIMIZER = "optimizer/"

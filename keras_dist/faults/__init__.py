@@ -1,6 +1,8 @@
 """What a process of a multi-process job does when something goes wrong.
 
-`keras_dist.initialize()` installs these once the job has several processes:
 `lifecycle` ends a rank promptly and cleanly on an uncaught exception, on
-SIGTERM/SIGINT and when the launcher that started it dies.
+SIGTERM/SIGINT and when the launcher that started it dies (installed by
+`keras_dist.initialize()` once the job has several processes); `heartbeat`
+records each rank's progress for the hang doctor (`keras_dist.cluster.
+hang_doctor`) and runs its watchdog.
 """

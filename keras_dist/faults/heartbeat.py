@@ -42,8 +42,10 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from keras_dist.faults import hang_doctor, lifecycle
-from keras_dist.launcher import JOB_DIRECTORY_VARIABLE, job_paths
+from keras_dist.cluster import hang_doctor
+from keras_dist.cluster.job_dir import JOB_DIRECTORY_VARIABLE, job_paths
+from keras_dist.common import job
+from keras_dist.faults import lifecycle
 
 # How often the watchdog wakes: to notice a dump request, or a stall.
 _TICK_SECONDS = 0.25
@@ -257,23 +259,27 @@ def _read_marked(iterator: Iterator[Any]) -> Iterator[Any]:
 
 
 # -- the watchdog ----------------------------------------------------------------
-def start() -> None:
+def start(
+    *, rank: int, world_size: int, collective_trace: Callable[[], str | None]
+) -> None:
     """Start this process' heartbeat and watchdog (idempotent): only in a job
-    of several processes, with the hang doctor on."""
-    if _watchdog or hang_timeout() == 0:
-        return
-    from keras_dist.backends import get_adapter  # noqa: PLC0415 (import cycle)
+    of several processes, with the hang doctor on.
 
-    adapter = get_adapter()
-    if adapter.num_processes() == 1:
+    Args:
+        rank: this process' rank.
+        world_size: the job's process count.
+        collective_trace: returns the backend's account of this process'
+            latest collectives for the dump, or None.
+    """
+    if _watchdog or hang_timeout() == 0 or world_size == 1:
         return
     job_directory = os.environ.get(JOB_DIRECTORY_VARIABLE)
     watchdog = _Watchdog(
-        rank=adapter.process_id(),
-        world_size=adapter.num_processes(),
+        rank=rank,
+        world_size=world_size,
         directory=job_directory or _node_directory(),
         under_launcher=bool(job_directory),
-        collective_trace=adapter.collective_trace,
+        collective_trace=collective_trace,
     )
     _watchdog.append(watchdog)
     watchdog.start()
@@ -282,14 +288,12 @@ def start() -> None:
 def _node_directory() -> str:
     """Where the ranks of this node keep their heartbeats without a launcher:
     named after the job (its coordinator, and the scheduler's job id)."""
-    from keras_dist import runtime  # noqa: PLC0415 (runtime imports this module)
-
     # The address every rank joined (what `initialize` recorded), else torch's.
-    coordinator = runtime._initialized.get("coordinator") or "{}:{}".format(
+    coordinator = job.joined().get("coordinator") or "{}:{}".format(
         os.environ.get("MASTER_ADDR", "local"), os.environ.get("MASTER_PORT", "0")
     )
-    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{coordinator}-{job}")
+    job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{coordinator}-{job_id}")
     _remove_stale_node_directories()
     directory = os.path.join(_NODE_TEMPORARY_DIRECTORY, f"{_NODE_PREFIX}{name}")
     os.makedirs(directory, exist_ok=True)

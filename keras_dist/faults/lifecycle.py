@@ -54,7 +54,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from types import TracebackType
 
-from keras_dist.launcher import (
+from keras_dist.cluster.job_dir import (
     JOB_DIRECTORY_VARIABLE,
     LAUNCHER_PID_VARIABLE,
     job_paths,

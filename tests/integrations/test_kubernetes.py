@@ -38,7 +38,8 @@ import pytest
 import yaml
 
 from keras_dist import cluster
-from tests.multiprocess import WORKERS, free_port, wait_then_clean_up
+from keras_dist.cluster import find_free_port
+from tests.multiprocess import WORKERS, wait_then_clean_up
 from tests.workers import cluster_scenario
 
 # Backend-neutral: one backend runs them, except the JAX runtime's job.
@@ -305,7 +306,7 @@ def local(env: dict[str, str], port: int) -> dict[str, str]:
 def run_pods(pods, tmp_path: pathlib.Path) -> list[dict]:
     """Each pod's command, its script replaced by the worker, as a local
     process with the pod's environment; their results."""
-    port = free_port()
+    port = find_free_port()
     base = {
         name: value
         for name, value in os.environ.items()

@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 
 from keras_dist import cluster
-from tests.multiprocess import WORKERS, free_port
+from keras_dist.cluster import find_free_port
+from tests.multiprocess import WORKERS
 from tests.workers import cluster_scenario
 
 # Backend-neutral tests run on one backend; the jobs say which backend trains.
@@ -74,7 +75,7 @@ def batch_environment(tmp_path: pathlib.Path, *, ntasks: int, **extra) -> dict:
         SLURM_LOCALID="0",
         SLURM_NODEID="0",
         SLURM_SUBMIT_DIR=str(tmp_path),
-        KERAS_DIST_COORDINATOR_PORT=str(free_port()),
+        KERAS_DIST_COORDINATOR_PORT=str(find_free_port()),
         KERAS_DIST_INIT_TIMEOUT="60",
         FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"),
         TF_CPP_MIN_LOG_LEVEL="3",

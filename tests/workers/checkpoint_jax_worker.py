@@ -32,9 +32,9 @@ import keras
 import numpy as np
 import worker_seed
 
-from keras_dist._keras_compat import saveable_variables
 from keras_dist.backends import get_adapter
 from keras_dist.backends.jax import checkpoint
+from keras_dist.checkpoint.keys import saveable_variables
 
 TIMEOUT_SECONDS = 60.0
 FEATURES, HIDDEN, BATCH = 64, 256, 16

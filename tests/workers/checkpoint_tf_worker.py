@@ -53,8 +53,8 @@ def main() -> None:
     import keras_dist as kd  # noqa: PLC0415
 
     kd.initialize()  # before any TensorFlow op: the multi-worker runtime
-    from keras_dist._keras_compat import saveable_variables  # noqa: PLC0415
     from keras_dist.backends.tensorflow import checkpoint as engine  # noqa: PLC0415
+    from keras_dist.checkpoint.keys import saveable_variables  # noqa: PLC0415
 
     trained = model()
     x, y = data()

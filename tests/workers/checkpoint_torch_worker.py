@@ -25,7 +25,7 @@ import numpy as np
 import worker_seed
 
 import keras_dist as kd
-from keras_dist._keras_compat import saveable_variables
+from keras_dist.checkpoint.keys import saveable_variables
 
 HIDDEN = 64
 

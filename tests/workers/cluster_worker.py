@@ -13,7 +13,8 @@ import pathlib
 import sys
 
 import keras_dist as kd
-from keras_dist import cluster, runtime
+from keras_dist import cluster
+from keras_dist.runtime import api as runtime
 
 kd.initialize()
 

@@ -60,13 +60,13 @@ def seen_ids() -> list[list[float]]:
 def keras_20585() -> dict:
     """Keras 3's own fit under MultiWorkerMirroredStrategy, without keras_dist,
     then with keras_dist's workarounds (keras-team/keras#20585)."""
-    from keras_dist import _rendezvous
-    from keras_dist.cluster import environment_int, environment_value
+    from keras_dist.cluster import rendezvous
+    from keras_dist.cluster.environments import environment_int, environment_value
 
     rank = environment_int("KERAS_DISTRIBUTION_PROCESS_ID")
     count = environment_int("KERAS_DISTRIBUTION_NUM_PROCESSES")
     coordinator = environment_value("KERAS_DISTRIBUTION_JOB_ADDRESSES")
-    addresses = _rendezvous.exchange_addresses(
+    addresses = rendezvous.exchange_addresses(
         coordinator, count, rank, timeout_seconds=60
     )
     os.environ["TF_CONFIG"] = json.dumps(

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
 from ray.train.backend import Backend, BackendConfig
 
-from keras_dist.cluster import join_address
+from keras_dist.cluster import find_free_port, join_address
 
 #: The variable `keras_dist.cluster.RayEnvironment` reads (the same name as
 #: `keras_dist.cluster.RAY_COORDINATOR_VARIABLE`; not imported from there, so
@@ -68,10 +67,7 @@ def _node_address_and_free_port() -> tuple[str, int]:
     import ray  # noqa: PLC0415 (a Ray worker has it)
 
     host = ray.util.get_node_ip_address()
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return host, probe.getsockname()[1]
+    return host, find_free_port("::" if ":" in host else "")
 
 
 def _set_job_environment(coordinator: str, keras_backend: str | None) -> None:

@@ -15,8 +15,8 @@ import ray.train
 from ray.train import collective
 
 import keras_dist as kd
-from keras_dist._keras_compat import calling_callback_list
 from keras_dist.checkpoint import store
+from keras_dist.keras_compat.callbacks import calling_callback_list
 
 _STEP = re.compile(r"^step-\d+$")
 

@@ -14,7 +14,6 @@ from jax._src import distributed as jax_distributed
 from jax.experimental import layout as jax_layout
 from jax.experimental import multihost_utils
 
-from keras_dist._keras_compat import GlobalBatchNorm, slot_owners
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.jax import keras_internals as internals
 from keras_dist.backends.jax.input_adapter import (
@@ -22,7 +21,9 @@ from keras_dist.backends.jax.input_adapter import (
     ProcessLocalBatches,
     trim_outputs,
 )
-from keras_dist.random_streams import take_process_zero_streams
+from keras_dist.common.batch_norm import GlobalBatchNorm
+from keras_dist.common.random_streams import take_process_zero_streams
+from keras_dist.keras_compat.optimizers import slot_owners
 
 # JAX's sharding-plus-memory-layout object (`Layout` in older releases).
 _JaxFormat = getattr(jax_layout, "Format", None) or jax_layout.Layout

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_dist.padding import (
+from keras_dist.common.padding import (
     MaskedBatch,
     check_same_input,
     fingerprint,

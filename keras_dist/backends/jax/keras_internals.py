@@ -19,14 +19,9 @@ from keras.src.backend.jax import distribution_lib as jax_distribution_lib
 from keras.src.backend.jax import trainer as jax_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_dist._keras_compat import (
-    GlobalBatchNorm,
-    install_cached_steps,
-    remove_cached_steps,
-    update_compiled_metrics,
-    uses_keras_compute_metrics,
-)
-from keras_dist.custom_steps import (
+from keras_dist.common.batch_norm import GlobalBatchNorm
+from keras_dist.common.padding import MaskedBatch, masked_row_weights
+from keras_dist.common.step_rows import (
     STEP_METHODS,
     StepRows,
     data_for_step,
@@ -34,7 +29,12 @@ from keras_dist.custom_steps import (
     overridden,
     step_rows,
 )
-from keras_dist.padding import MaskedBatch, masked_row_weights
+from keras_dist.keras_compat.metrics import update_compiled_metrics
+from keras_dist.keras_compat.steps import (
+    install_cached_steps,
+    remove_cached_steps,
+    uses_keras_compute_metrics,
+)
 
 _original_get_iterator = jax_trainer.JAXEpochIterator._get_iterator
 _batch_source: list[Callable[[Iterator[Any]], Iterator[Any]]] = []
@@ -95,16 +95,10 @@ def check() -> list[str]:
 
 
 # -- input batches -------------------------------------------------------------
-def _is_keras_dist_policy(distribution: Any) -> bool:
-    from keras_dist.policies import Distribution  # noqa: PLC0415 (import cycle)
-
-    return isinstance(distribution, Distribution)
-
-
 def _patched_get_iterator(epoch_iterator: Any) -> Any:
     if _batch_source:
         return _batch_source[-1](epoch_iterator.data_adapter.get_jax_iterator())
-    if _is_keras_dist_policy(keras.distribution.distribution()):
+    if getattr(keras.distribution.distribution(), "lays_out_batches_itself", False):
         # A keras_dist policy is global but no run is active (Keras pulling a
         # batch to build the model before the run starts, or a plain `fit`):
         # host arrays, which jit places itself, whatever their batch size.

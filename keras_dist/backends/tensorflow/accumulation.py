@@ -20,7 +20,7 @@ replicas, so a checkpoint taken between two updates resumes with the partial
 sum intact, whatever the number of replicas.
 
 The optimizer's own part (which micro-step updates, the update's arithmetic,
-the step counter) is Keras' and comes from `keras_internals`
+the step counter) is Keras' and comes from `gradients`
 (`KerasAccumulation`); this module holds the tf.distribute part.
 """
 

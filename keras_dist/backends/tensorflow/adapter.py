@@ -19,22 +19,20 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import _rendezvous
-from keras_dist._keras_compat import (
-    GlobalBatchNorm,
-    install_cached_steps,
-    remove_cached_steps,
-)
 from keras_dist.backends.base import BackendAdapter
+from keras_dist.backends.tensorflow import gradients, keras_steps
 from keras_dist.backends.tensorflow import input_adapter as inputs
 from keras_dist.backends.tensorflow import keras_internals as internals
-from keras_dist.padding import check_same_input, fingerprint
-from keras_dist.random_streams import (
+from keras_dist.cluster import rendezvous
+from keras_dist.common.batch_norm import GlobalBatchNorm
+from keras_dist.common.padding import check_same_input, fingerprint
+from keras_dist.common.random_streams import (
     STATE_WORDS,
     BackendStream,
     global_random_state,
     set_global_random_state,
 )
+from keras_dist.keras_compat.steps import install_cached_steps, remove_cached_steps
 
 _NOT_YET = (
     "{what} is not implemented for the TensorFlow backend in keras_dist; "
@@ -149,7 +147,7 @@ class TensorFlowAdapter(BackendAdapter):
     ) -> None:
         config = os.environ.get("TF_CONFIG")
         if not config:
-            addresses = _rendezvous.exchange_addresses(
+            addresses = rendezvous.exchange_addresses(
                 coordinator_address,
                 num_processes,
                 process_id,
@@ -288,9 +286,7 @@ class TensorFlowAdapter(BackendAdapter):
         return strategy.scope()
 
     def _check_layouts(self, distribution: Any) -> None:
-        from keras_dist.policies import FSDP
-
-        if isinstance(distribution, FSDP):
+        if distribution.shards_variables_along_batch:
             raise NotImplementedError(
                 _NOT_YET.format(
                     what="FSDP (variables split along the data axis, through DTensor)"
@@ -454,7 +450,7 @@ class TensorFlowAdapter(BackendAdapter):
                     shuffle_stream.set_state(drawn)
             if unprepared[0]:
                 unprepared[0] = False
-                internals.prepare(model, strategy, dataset.element_spec)
+                keras_steps.prepare(model, strategy, dataset.element_spec)
             return inputs.distributed_batches(
                 strategy,
                 dataset,
@@ -464,14 +460,16 @@ class TensorFlowAdapter(BackendAdapter):
 
         self._on_deactivate(model, internals.manage(strategy))
         # The user's own steps run as written (see `custom_steps`).
-        user_steps = internals.user_steps(model)
-        internals.install_unscaled_losses()
+        user_steps = keras_steps.user_steps(model)
+        keras_steps.install_unscaled_losses()
         if "train_step" in user_steps:
-            self._on_deactivate(model, internals.average_in_user_steps(model, strategy))
+            self._on_deactivate(
+                model, keras_steps.average_in_user_steps(model, strategy)
+            )
         else:
             self._on_deactivate(
                 model,
-                internals.fuse_gradient_all_reduce(getattr(model, "optimizer", None)),
+                gradients.fuse_gradient_all_reduce(getattr(model, "optimizer", None)),
             )
         self._count_real_rows(model)
         self._average_gradients(model)
@@ -489,7 +487,7 @@ class TensorFlowAdapter(BackendAdapter):
         # The traced steps of the previous call are reused when nothing they
         # depend on changed: no retracing (about a second) at every call.
         install_cached_steps(
-            model, distribution, lambda: internals.make_steps(model, user_steps)
+            model, distribution, lambda: keras_steps.make_steps(model, user_steps)
         )
         self._on_deactivate(model, lambda: remove_cached_steps(model))
 

@@ -36,6 +36,8 @@ import tempfile
 import threading
 from typing import Any
 
+from keras_dist.common import job
+
 ENGINE = "tf.train.Checkpoint"
 # The file prefix inside a step directory: ckpt.index, ckpt.data-00000-of-00001.
 PREFIX = "ckpt"
@@ -188,11 +190,9 @@ def save(directory: str | os.PathLike, state: dict[str, Any], *, background: boo
     """
     import tensorflow as tf  # noqa: PLC0415
 
-    from keras_dist.runtime import _timeout_from_environment, process_id  # noqa: PLC0415
-
     variables = _tf_variables(state, "save")
     directory = os.fspath(directory)
-    rank = process_id()
+    rank = job.process_id()
     if rank == 0 and not os.path.isdir(directory):
         raise ValueError(
             f"The checkpoint directory {directory!r} does not exist; process 0 "
@@ -202,7 +202,7 @@ def save(directory: str | os.PathLike, state: dict[str, Any], *, background: boo
     if previous is not None and not previous.failure_reported:
         # One save in flight: TensorFlow's writer holds one copy. A failure
         # its own wait did not report is reported here.
-        previous.wait(_timeout_from_environment())
+        previous.wait(job.timeout_seconds())
     checkpoint = _checkpoint_for(variables)
     checkpoint.sync()  # returns at once: the previous write has ended
     scratch = None

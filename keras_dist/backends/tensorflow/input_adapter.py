@@ -17,8 +17,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist._keras_compat import numpy_random_stream
 from keras_dist.backends.tensorflow.iterator_reaper import REAPER
+from keras_dist.keras_compat.data_adapters import numpy_random_stream
 
 #: Keys of the elements the replicas receive.
 DATA, MASK, SCALE = "data", "mask", "scale"

@@ -1,7 +1,10 @@
-"""Every Keras private internal the TensorFlow adapter relies on, in one place.
+"""The Keras private internals the TensorFlow adapter relies on.
 
-`tests/test_keras_internals.py` calls `check()` and fails loudly when a Keras
-release moves any of these. It also holds the workarounds for Keras 3's
+`check()` names every one of them, those of `gradients` and `keras_steps`
+included, and `tests/test_keras_internals.py` fails loudly when a Keras
+release moves any. This module holds the input batches' routing, the
+variables moved into a strategy's scope, the metric states summed over the
+replicas, the checkpoint helpers, and the workarounds for Keras 3's
 multi-worker bugs (keras-team/keras#20585), each reproduced by a test in
 `tests/test_multiprocess_tf.py` so it can go when Keras fixes it.
 """
@@ -9,47 +12,27 @@ multi-worker bugs (keras-team/keras#20585), each reproduced by a test in
 from __future__ import annotations
 
 import atexit
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
-from keras import ops
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.losses import loss as loss_module
-from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 from tensorflow.python.checkpoint import async_checkpoint_helper
 from tensorflow.python.eager import context as tf_context
 
-from keras_dist._keras_compat import (
-    EpochRouting,
-    GlobalBatchNorm,
-    layers_of,
-    optimizers_of,
-    update_compiled_metrics,
-    uses_keras_compute_metrics,
-)
-from keras_dist.backends.tensorflow import accumulation
-from keras_dist.backends.tensorflow.input_adapter import DATA, MASK, SCALE
-from keras_dist.custom_steps import (
-    STEP_METHODS,
-    StepRows,
-    current_rows,
-    data_for_step,
-    global_logs,
-    make_rows,
-    overridden,
-    step_rows,
-)
-from keras_dist.padding import masked_row_weights
+from keras_dist.keras_compat.epoch_iterator import EpochRouting
 
 _original_reduce_per_replica = tf_trainer.reduce_per_replica
+
 # Keras' own, for tests that start from a process keras_dist has not patched.
 KERAS_MAYBE_SYMBOLIC_BUILD = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+
 _epochs = EpochRouting(tf_trainer.TFEpochIterator)
+
 # Strategies whose step outputs keras_dist already made global (metrics) or
 # trimmed to real rows (predictions).
 _managed_strategies: list[Any] = []
@@ -271,7 +254,7 @@ def recreate_in_scope(strategy: Any, variables: list[Any], optimizer: Any) -> No
             old_key = optimizer._var_key(variable) if optimizer is not None else None
             value = variable._value.read_value()
             variable._value = None
-            if _summed_on_read(variable) and value.dtype.is_floating:
+            if summed_on_read(variable) and value.dtype.is_floating:
                 # Every copy of a summed variable starts with the initial
                 # value; written from outside a replica, the value is divided
                 # among the copies, so their sum is the value read (integers
@@ -296,7 +279,7 @@ def recreate_in_scope(strategy: Any, variables: list[Any], optimizer: Any) -> No
         each._exclude_from_weight_decay_cache = {}
 
 
-def _summed_on_read(variable: Any) -> bool:
+def summed_on_read(variable: Any) -> bool:
     return variable.synchronization == "on_read" and variable.aggregation == "sum"
 
 
@@ -348,46 +331,6 @@ def build_optimizer_in_scope(model: Any, strategy: Any) -> Callable[[], None]:
     return lambda: optimizer.__dict__.pop("build", None)
 
 
-def prepare(model: Any, strategy: Any, batch: Any) -> None:
-    """Every variable of `model` created by `strategy`, and the model, its
-    optimizer and metrics built from a batch's specs.
-
-    Variables created outside the strategy's scope are mirrored first, so the
-    optimizer slots the build creates sit next to mirrored variables.
-    """
-    mirror_variables(model, strategy)
-    x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
-    with strategy.scope():
-        if y is None or getattr(model, "optimizer", None) is None:
-            # `predict` (no targets) or a model never compiled: the layers
-            # only, as Keras' own `predict` builds them (metrics need targets).
-            _build_layers(model, x)
-        else:
-            model._symbolic_build(data_batch=batch)
-    mirror_variables(model, strategy)
-    optimizer = getattr(model, "optimizer", None)
-    if (
-        strategy.num_replicas_in_sync > 1
-        and optimizer is not None
-        and optimizer.built
-        and _accumulates_locally(optimizer, model.trainable_variables)
-    ):
-        accumulate_per_replica(optimizer, strategy)
-
-
-def _build_layers(model: Any, x: Any) -> None:
-    if all(layer.built for layer in layers_of(model)):
-        return
-
-    def symbolic(spec: Any) -> Any:
-        if spec is None:
-            return None
-        dtype = keras.backend.standardize_dtype(spec.dtype)
-        return keras.KerasTensor(spec.shape, dtype)
-
-    model(keras.tree.map_structure(symbolic, x), training=False)
-
-
 # -- checkpoints ---------------------------------------------------------------
 def tf_variable(variable: Any) -> Any:
     """The TensorFlow variable behind a Keras variable: a `MirroredVariable` or
@@ -423,32 +366,7 @@ def close_async_writer(checkpoint: Any) -> None:
     helper._join_async_save_thread()
 
 
-# -- steps ---------------------------------------------------------------------
-def _split(batch: dict[str, Any]) -> tuple[Any, ...]:
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch[DATA])
-    mask = batch[MASK]
-    weights = masked_row_weights(mask, sample_weight)
-    # Keras divides each replica's loss by its rows and by the replicas; the
-    # padded/real ratio makes the summed gradient the mean over real rows.
-    scale = batch[SCALE]
-    loss_weights = weights * ops.cast(scale, weights.dtype)
-    # This replica's share of the real rows, the loss tracker's weight.
-    share = ops.cast(ops.shape(mask)[0], "float32") / scale
-    return x, y, mask, weights, loss_weights, share
-
-
-def _track(model: Any, loss: Any, parts: tuple[Any, ...]) -> None:
-    x, y, y_pred, mask, weights, share = parts
-    model._loss_tracker.update_state(
-        loss_module.unscale_loss_for_distribution(loss), sample_weight=share
-    )
-    if uses_keras_compute_metrics(model):
-        update_compiled_metrics(model, y, y_pred, mask, weights)
-    else:
-        model.compute_metrics(x, y, y_pred, weights)
-
-
-class _MetricStates:
+class MetricStates:
     """Every metric state of `model` in one flat vector, to sum over replicas.
 
     Each replica computes the results from the sums and keeps its own states,
@@ -485,7 +403,7 @@ class _MetricStates:
         return results
 
 
-def _replica_context() -> Any:
+def replica_context() -> Any:
     """The replica context when several replicas run this step, else None."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
@@ -493,418 +411,10 @@ def _replica_context() -> Any:
     return context
 
 
-def _global_results(model: Any) -> dict[str, Any]:
+def global_results(model: Any) -> dict[str, Any]:
     """Metric results over every replica's rows, inside a replica."""
-    context = _replica_context()
+    context = replica_context()
     if context is None or not model.metrics_variables:
         return model.get_metrics_result()
-    states = _MetricStates(model, context)
+    states = MetricStates(model, context)
     return states.results(context.all_reduce(tf.distribute.ReduceOp.SUM, states.flat))
-
-
-def _sums_gradients_itself(optimizer: Any) -> bool:
-    return optimizer.__dict__.get("_all_reduce_sum_gradients") is _already_summed
-
-
-def _already_summed(grads_and_vars: Any) -> list[Any]:
-    return list(grads_and_vars)
-
-
-def fuse_gradient_all_reduce(optimizer: Any) -> Callable[[], None]:
-    """Let the train step sum the gradients (with the metric states, in one
-    all-reduce) instead of the optimizer; return the undo.
-
-    A `LossScaleOptimizer` (mixed precision) then checks the summed gradients
-    for inf/nan, the same on every replica: an overflow on one replica makes
-    every replica skip the step and halve the loss scale together, as one
-    device does. (Left to Keras, it checks the first local replica's own
-    gradients and its inner optimizer sums and applies them all: measured,
-    another replica's overflow reaches the weights as NaN in one process, and
-    in a 2-process job the ranks decide differently and the next all-reduce
-    times out.)
-    """
-    optimizers = with_inner_optimizer(optimizer)
-    for each in optimizers:
-        object.__setattr__(each, "_all_reduce_sum_gradients", _already_summed)
-
-    def undo() -> None:
-        for each in optimizers:
-            each.__dict__.pop("_all_reduce_sum_gradients", None)
-
-    return undo
-
-
-def _apply_accumulating(
-    context: Any, optimizer: Any, gradients: list[Any], trainable: list[Any]
-) -> None:
-    """Apply summed gradients with `gradient_accumulation_steps` in the
-    cross-replica context, with Keras' own `apply` (for the optimizers that
-    do not accumulate per replica, see `_accumulates_locally`).
-
-    Keras' optimizer chooses between updating the weights and adding to its
-    accumulators in a `tf.cond` whose branches update mirrored variables
-    through `merge_call`, which TensorFlow cannot run inside a condition in a
-    replica (plain Keras under `MirroredStrategy` fails so). Here the whole
-    `apply` runs once, in the cross-replica context, on the summed gradients,
-    which every replica holds alike (the first local replica's are taken);
-    each variable update still reaches every device.
-    """
-
-    def apply(strategy: Any, gradients: list[Any]) -> None:
-        local = [
-            None if g is None else strategy.experimental_local_results(g)[0]
-            for g in gradients
-        ]
-        with _without_merge_call(strategy):
-            optimizer.apply_gradients(zip(local, trainable, strict=True))
-
-    context.merge_call(apply, args=(gradients,))
-
-
-@contextlib.contextmanager
-def _without_merge_call(strategy: Any) -> Iterator[None]:
-    """Keras' optimizer asks for a `merge_call` when the strategy uses them;
-    in the cross-replica context it is not needed (nor possible)."""
-    extended = strategy.extended
-    extended._use_merge_call = lambda: False
-    try:
-        yield
-    finally:
-        del extended._use_merge_call
-
-
-def _accumulates_locally(optimizer: Any, trainable: list[Any]) -> bool:
-    """Whether `optimizer` accumulates in per-replica accumulators summed once
-    per update (`accumulation`).
-
-    Two Keras features keep the sum of every micro-step's gradients and Keras'
-    own `apply` (`_apply_accumulating`), with the same results: variables
-    overwritten with their gradient (float8 training; Keras accumulates their
-    maximum, not their sum) and weights' moving averages (`use_ema`).
-    """
-    if not optimizer.gradient_accumulation_steps or optimizer.use_ema:
-        return False
-    return not any(getattr(v, "overwrite_with_gradient", False) for v in trainable)
-
-
-def accumulate_per_replica(optimizer: Any, strategy: Any) -> None:
-    """Back `optimizer`'s gradient accumulators by variables of `strategy`
-    that each replica keeps its own copy of and that are summed on read
-    (`accumulation`), holding the same sums (idempotent).
-
-    Their creation is kept out of the traced step (`tf.init_scope`): a
-    `tf.function` that creates variables is traced a second time.
-    """
-    shared = [
-        a
-        for a in optimizer._accumulated_gradients
-        if a is not None
-        and not (
-            _summed_on_read(a) and strategy.extended.variable_created_in_scope(a._value)
-        )
-    ]
-    for accumulator in shared:
-        accumulator._synchronization = "on_read"
-        accumulator._aggregation = "sum"
-    if shared:
-        with tf.init_scope():
-            recreate_in_scope(strategy, shared, None)
-
-
-class KerasAccumulation:
-    """Keras' own accumulation arithmetic for `accumulation.apply`.
-
-    That of `BaseOptimizer.apply` and `_backend_apply_gradients` (Keras
-    3.15): variables it was not built for raise Keras' error, gradients
-    missing are left out (with Keras' warning), each micro-gradient is
-    divided by `loss_scale_factor`, the update step is the
-    k-th micro-step counted by `_iterations` (which counts micro-steps), its
-    gradients are the accumulated sums over k, clipped, after Keras' weight
-    decay, and the variables' constraints are applied after every micro-step.
-    """
-
-    def __init__(self, optimizer: Any, trainable: list[Any]) -> None:
-        self._optimizer = optimizer
-        self._trainable = trainable
-        self._updated: list[Any] = []
-
-    def accumulate(self, strategy: Any, gradients: list[Any]) -> list[tuple[Any, Any]]:
-        optimizer = self._optimizer
-        if not optimizer.built:
-            # Keras' `apply` builds it here; its variables are the strategy's.
-            with tf.init_scope(), strategy.scope():
-                optimizer.build(self._trainable)
-        optimizer._check_variables_are_known(self._trainable)
-        present, self._updated = optimizer._filter_empty_gradients(
-            gradients, self._trainable
-        )
-        # Done by `prepare` unless the optimizer was built just now.
-        accumulate_per_replica(optimizer, strategy)
-        accumulators = [
-            optimizer._accumulated_gradients[optimizer._get_variable_index(v)]
-            for v in self._updated
-        ]
-        return list(zip(present, [tf_variable(a) for a in accumulators], strict=True))
-
-    def micro_gradient(self, gradient: Any) -> Any:
-        scale = self._optimizer.loss_scale_factor
-        return gradient if scale is None else gradient / scale
-
-    def is_update_step(self) -> Any:
-        optimizer = self._optimizer
-        steps = optimizer.gradient_accumulation_steps
-        return (optimizer._iterations + 1) % steps == 0
-
-    def update(self, strategy: Any, summed: list[Any]) -> None:
-        optimizer = self._optimizer
-        steps = optimizer.gradient_accumulation_steps
-        gradients = optimizer._clip_gradients([s / steps for s in summed])
-        with _without_merge_call(strategy):
-            optimizer._apply_weight_decay(self._updated)
-            optimizer._backend_update_step(
-                gradients, self._updated, optimizer.learning_rate
-            )
-
-    def end_micro_step(self) -> None:
-        for variable in self._updated:
-            if variable.constraint is not None:
-                variable.assign(variable.constraint(variable))
-        self._optimizer._iterations.assign_add(1)
-
-
-def _check_accumulation(optimizer: Any, where: str) -> None:
-    """Raise for `gradient_accumulation_steps` that would be applied inside a
-    replica, which TensorFlow cannot run (see `_apply_accumulating`)."""
-    accumulating = [
-        each.name
-        for each in with_inner_optimizer(optimizer)
-        if getattr(each, "gradient_accumulation_steps", None)
-    ]
-    if accumulating:
-        raise ValueError(
-            f"Optimizer {accumulating[0]!r} has `gradient_accumulation_steps`, "
-            f"which keras_dist cannot run on TensorFlow {where} with more than "
-            "one replica (its update inside a replica needs a `merge_call` in "
-            "a `tf.cond`, which TensorFlow rejects). Leave it out, or train "
-            "with Keras' own train_step and an optimizer not wrapped in a "
-            "LossScaleOptimizer, or use the JAX or PyTorch backend."
-        )
-
-
-def _apply_summed(model: Any, gradients: list[Any], trainable: list[Any]) -> Any:
-    """Sum the gradients and the metric states over replicas in one
-    all-reduce, apply the gradients, return the global metric results.
-
-    With `gradient_accumulation_steps` the gradients are, in most cases,
-    summed once per update instead (`accumulation`)."""
-    context = _replica_context()
-    if context is None:
-        model.optimizer.apply_gradients(zip(gradients, trainable, strict=True))
-        return model.get_metrics_result()
-    if _accumulates_locally(model.optimizer, trainable):
-        # The gradients stay each replica's own until the update step; the
-        # metric states are summed at every step (exact global logs).
-        accumulation.apply(
-            context, KerasAccumulation(model.optimizer, trainable), gradients
-        )
-        return _global_results(model)
-    states = _MetricStates(model, context) if model.metrics_variables else None
-    present = [i for i, g in enumerate(gradients) if g is not None]
-    values = [gradients[i] for i in present]
-    if states is not None:
-        values.append(states.flat)
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
-    total = list(gradients)
-    for index, value in zip(present, summed, strict=False):
-        total[index] = value
-    if model.optimizer.gradient_accumulation_steps:
-        _apply_accumulating(context, model.optimizer, total, trainable)
-    else:
-        # A LossScaleOptimizer applies its inner optimizer inside the replica.
-        _check_accumulation(model.optimizer, "in a LossScaleOptimizer")
-        model.optimizer.apply_gradients(zip(total, trainable, strict=True))
-    if states is None:
-        return model.get_metrics_result()
-    return states.results(summed[-1])
-
-
-# -- the user's own steps --------------------------------------------------------
-def user_steps(model: Any) -> set[str]:
-    """The steps that run the user's own code, which keras_dist runs as written
-    (see `custom_steps`): those `model`'s class overrides, and with its own
-    `compute_loss` Keras' train and test steps (which call it), as every loss
-    term it adds must be left unscaled and its gradient averaged."""
-    steps = set(overridden(model, tf_trainer.TensorFlowTrainer, STEP_METHODS))
-    if overridden(model, tf_trainer.TensorFlowTrainer, ("compute_loss",)):
-        steps |= {"train_step", "test_step"}
-    return steps
-
-
-_keras_scale_loss = loss_module.scale_loss_for_distribution
-_keras_unscale_loss = loss_module.unscale_loss_for_distribution
-
-
-def _scale_loss(value: Any) -> Any:
-    rows = current_rows()
-    if rows is not None and rows.unscaled_losses:
-        return value
-    return _keras_scale_loss(value)
-
-
-def _unscale_loss(value: Any) -> Any:
-    rows = current_rows()
-    if rows is not None and rows.unscaled_losses:
-        return value
-    return _keras_unscale_loss(value)
-
-
-def install_unscaled_losses() -> None:
-    """Keras divides each replica's losses by the replica count (for optimizers
-    that sum the gradients); inside a user's step, whose optimizers average
-    them instead, losses are left as one device computes them (idempotent)."""
-    loss_module.scale_loss_for_distribution = _scale_loss
-    loss_module.unscale_loss_for_distribution = _unscale_loss
-
-
-def _average_over_replicas(gradients: list[Any]) -> list[Any]:
-    context = _replica_context()
-    present = [i for i, g in enumerate(gradients) if g is not None]
-    if context is None or not present:
-        return gradients
-    averaged = context.all_reduce(
-        tf.distribute.ReduceOp.MEAN, [gradients[i] for i in present]
-    )
-    result = list(gradients)
-    for index, value in zip(present, averaged, strict=True):
-        result[index] = value
-    return result
-
-
-def _built_outside(build: Callable[..., Any], strategy: Any) -> Callable[..., Any]:
-    def build_mirrored(variables: Any) -> Any:
-        context = tf.distribute.get_replica_context()
-        if context is None:
-            return build(variables)
-
-        def in_cross_replica_context(_: Any) -> Any:
-            with tf.init_scope(), strategy.scope():
-                return build(variables)
-
-        return context.merge_call(in_cross_replica_context)
-
-    return build_mirrored
-
-
-def average_in_user_steps(model: Any, strategy: Any) -> Callable[[], None]:
-    """Every optimizer of `model` runs under `strategy` and leaves the
-    gradients' all-reduce to the user's step (`_average_over_replicas`), which
-    averages them; return the undo."""
-    optimizers = [
-        each
-        for optimizer in optimizers_of(model)
-        for each in with_inner_optimizer(optimizer)
-    ]
-    if strategy.num_replicas_in_sync > 1:
-        for optimizer in optimizers:
-            _check_accumulation(optimizer, "in a model's own train_step")
-    for optimizer in optimizers:
-        optimizer._distribution_strategy = strategy
-        # Its step counter and learning rate, created with it, are mirrored
-        # (the model's own optimizer is mirrored with the model).
-        outside = [
-            v
-            for v in optimizer.variables
-            if v._value is not None
-            and not strategy.extended.variable_created_in_scope(v._value)
-        ]
-        if outside:
-            recreate_in_scope(strategy, outside, optimizer)
-        object.__setattr__(optimizer, "_all_reduce_sum_gradients", _already_summed)
-        if not optimizer.built:
-            # Built lazily at its first `apply`, inside the replica step: its
-            # variables are created outside the traced function, mirrored.
-            object.__setattr__(
-                optimizer, "build", _built_outside(optimizer.build, strategy)
-            )
-
-    def undo() -> None:
-        for optimizer in optimizers:
-            optimizer.__dict__.pop("_all_reduce_sum_gradients", None)
-            optimizer.__dict__.pop("build", None)
-
-    return undo
-
-
-def _user_step(model: Any, step: str, batch: dict[str, Any]) -> Any:
-    data, mask, scale = batch[DATA], batch[MASK], batch[SCALE]
-    share = ops.cast(ops.shape(mask)[0], "float32") / scale
-    rows = make_rows(
-        model,
-        data,
-        mask,
-        scale,
-        share,
-        average_gradients=_average_over_replicas,
-        unscaled_losses=True,
-    )
-    with step_rows(rows), GlobalBatchNorm.rows(mask):
-        return getattr(type(model), step)(model, data_for_step(data, rows))
-
-
-def make_steps(model: Any, user_steps: set[str] = frozenset()) -> dict[str, Callable]:
-    def user_train_step(batch: Any) -> Any:
-        logs = _user_step(model, "train_step", batch)
-        return global_logs(model, logs, lambda: _global_results(model))
-
-    def user_test_step(batch: Any) -> Any:
-        logs = _user_step(model, "test_step", batch)
-        return global_logs(model, logs, lambda: _global_results(model))
-
-    def train_step(batch: Any) -> Any:
-        x, y, mask, weights, loss_weights, share = _split(batch)
-        kwargs = {"training": True} if model._call_has_training_arg else {}
-        with tf.GradientTape() as tape:
-            with GlobalBatchNorm.rows(mask):
-                y_pred = model(x, **kwargs)
-            with step_rows(StepRows(model, mask, loss_weights, weights, share)):
-                loss = model._compute_loss(
-                    x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True
-                )
-            _track(model, loss, (x, y, y_pred, mask, weights, share))
-            if model.optimizer is not None:
-                loss = model.optimizer.scale_loss(loss)
-        trainable = model.trainable_weights
-        if not trainable:
-            return _global_results(model)
-        gradients = tape.gradient(loss, trainable)
-        if _sums_gradients_itself(model.optimizer):
-            return _apply_summed(model, gradients, trainable)
-        model.optimizer.apply_gradients(zip(gradients, trainable, strict=True))
-        return _global_results(model)
-
-    def test_step(batch: Any) -> Any:
-        x, y, mask, weights, loss_weights, share = _split(batch)
-        kwargs = {"training": False} if model._call_has_training_arg else {}
-        y_pred = model(x, **kwargs)
-        with step_rows(StepRows(model, mask, loss_weights, weights, share)):
-            loss = model._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=False
-            )
-        _track(model, loss, (x, y, y_pred, mask, weights, share))
-        return _global_results(model)
-
-    def predict_step(batch: Any) -> Any:
-        if "predict_step" in user_steps:
-            y_pred = type(model).predict_step(model, batch[DATA])
-        else:
-            x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch[DATA])
-            kwargs = {"training": False} if model._call_has_training_arg else {}
-            y_pred = model(x, **kwargs)
-        real = batch[MASK] > 0
-        return keras.tree.map_structure(lambda out: tf.boolean_mask(out, real), y_pred)
-
-    return {
-        "train_step": user_train_step if "train_step" in user_steps else train_step,
-        "test_step": user_test_step if "test_step" in user_steps else test_step,
-        "predict_step": predict_step,
-    }

@@ -34,7 +34,6 @@ import torch.distributed as torch_distributed
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.nn.parallel import DistributedDataParallel
 
-from keras_dist._keras_compat import GlobalBatchNorm, install_steps, remove_steps
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.torch import keras_internals as internals
 from keras_dist.backends.torch.input_adapter import (
@@ -43,9 +42,11 @@ from keras_dist.backends.torch.input_adapter import (
     ShardedLoader,
     shard_loader,
 )
+from keras_dist.common.batch_norm import GlobalBatchNorm
+from keras_dist.common.padding import check_same_input
+from keras_dist.common.random_streams import BackendStream, take_process_zero_streams
 from keras_dist.faults import heartbeat
-from keras_dist.padding import check_same_input
-from keras_dist.random_streams import BackendStream, take_process_zero_streams
+from keras_dist.keras_compat.steps import install_steps, remove_steps
 
 
 def _dtensor() -> Any:
@@ -54,6 +55,14 @@ def _dtensor() -> Any:
     from keras_dist.backends.torch import dtensor  # noqa: PLC0415
 
     return dtensor
+
+
+def _placements() -> Any:
+    """keras_dist's torch meshes and placements, imported as lazily (see
+    `_dtensor`)."""
+    from keras_dist.backends.torch import placements  # noqa: PLC0415
+
+    return placements
 
 
 def _use_local_gpu() -> None:
@@ -259,7 +268,7 @@ class TorchAdapter(BackendAdapter):
 
     def to_backend_mesh(self, device_mesh: Any) -> Any:
         """A `torch.distributed.device_mesh.DeviceMesh` (one device per process)."""
-        return _dtensor().torch_mesh(device_mesh)
+        return _placements().torch_mesh(device_mesh)
 
     def to_backend_layout(self, tensor_layout: Any) -> Any:
         """The layout's DTensor placements, one per mesh axis."""
@@ -268,7 +277,7 @@ class TorchAdapter(BackendAdapter):
                 "A TensorLayout needs a device mesh for its backend layout; build "
                 f"it with `device_mesh=`. Received: {tensor_layout}"
             )
-        return _dtensor().placements(
+        return _placements().placements(
             tensor_layout.axes, tensor_layout.device_mesh.axis_names
         )
 
@@ -303,14 +312,14 @@ class TorchAdapter(BackendAdapter):
         modules = [type(item).__module__ for item in layout]
         if not all(module.startswith("torch.distributed") for module in modules):
             return False  # not placements: no need to import DTensor
-        return _dtensor().is_placements(layout)
+        return _placements().is_placements(layout)
 
     def distribute_tensor(self, tensor: Any, tensor_layout: Any) -> Any:
         """A DTensor laid out as `tensor_layout` says (torch's own semantics: a
         plain tensor is process 0's value, a DTensor is redistributed)."""
         if self.is_backend_layout(tensor_layout):
-            return _dtensor().redistribute(tensor, tensor_layout)
-        return _dtensor().distribute(
+            return _placements().redistribute(tensor, tensor_layout)
+        return _placements().distribute(
             tensor,
             tensor_layout.device_mesh.backend_mesh,
             tensor_layout.backend_layout,
@@ -329,11 +338,11 @@ class TorchAdapter(BackendAdapter):
         world_size, _ = self._world()
         layouts = [distribution.layout_for_variable(v) for v in model.variables]
         if any(axis is not None for layout in layouts for axis in layout.axes):
-            dtensor = _dtensor()
-            if any(dtensor.is_sharded(layout) for layout in layouts):
+            placements = _placements()
+            if any(placements.is_sharded(layout) for layout in layouts):
                 # One device per process: the mesh must have one per process.
-                dtensor.mesh_ranks(distribution.device_mesh, world_size)
-                dtensor.check_batch_axis(distribution)
+                placements.mesh_ranks(distribution.device_mesh, world_size)
+                placements.check_batch_axis(distribution)
                 return True
         if distribution.num_model_replicas != world_size:
             raise ValueError(

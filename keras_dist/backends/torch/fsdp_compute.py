@@ -425,3 +425,8 @@ def sum_over_processes(batch: BatchGroup, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` summed over the processes along the batch axis (all of them
     get the sum), with its gradient."""
     return _SumOverProcesses.apply(batch, tensor)
+
+
+def to_full(value: Any) -> Any:
+    """A plain tensor with the whole value of `value` (gathered if a DTensor)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value

@@ -21,8 +21,8 @@ import keras
 import numpy as np
 import torch
 
-from keras_dist.padding import fingerprint, leading_dim, pad_rows, padded_size
-from keras_dist.runtime import warn_once
+from keras_dist.common.job import warn_once
+from keras_dist.common.padding import fingerprint, leading_dim, pad_rows, padded_size
 
 
 class RankBatch(NamedTuple):

@@ -26,14 +26,9 @@ from keras.src.trainers.data_adapters import (
 )
 from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
-from keras_dist._keras_compat import (
-    EpochRouting,
-    GlobalBatchNorm,
-    layers_of,
-    update_compiled_metrics,
-    uses_keras_compute_metrics,
-)
-from keras_dist.custom_steps import (
+from keras_dist.common.batch_norm import GlobalBatchNorm
+from keras_dist.common.padding import masked_row_weights
+from keras_dist.common.step_rows import (
     STEP_METHODS,
     StepRows,
     data_for_step,
@@ -43,7 +38,10 @@ from keras_dist.custom_steps import (
     step_rows,
     warn_padded_once,
 )
-from keras_dist.padding import masked_row_weights
+from keras_dist.keras_compat.epoch_iterator import EpochRouting
+from keras_dist.keras_compat.layers import layers_of
+from keras_dist.keras_compat.metrics import update_compiled_metrics
+from keras_dist.keras_compat.steps import uses_keras_compute_metrics
 
 _epochs = EpochRouting(torch_trainer.TorchEpochIterator)
 

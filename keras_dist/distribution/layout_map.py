@@ -1,0 +1,98 @@
+"""`LayoutMap`: from variable and tensor paths to `TensorLayout`s."""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+
+from keras_dist.distribution.mesh import TensorLayout
+
+
+class LayoutMap(keras.distribution.LayoutMap):
+    """An ordered map from path patterns to `TensorLayout`s.
+
+    A lookup tries the exact key first, then searches every key as a regular
+    expression (`re.search`) in the path. Two or more matching keys are an
+    error naming them; no match returns `None`.
+
+    Args:
+        device_mesh: the mesh given to every layout stored without one.
+
+    Example:
+
+    >>> mesh = keras_dist.DeviceMesh((1, 1), ["batch", "model"], ["cpu:0"])
+    >>> layout_map = keras_dist.LayoutMap(mesh)
+    >>> layout_map["dense.*kernel"] = (None, "model")
+    >>> layout_map["dense_1/kernel"].axes
+    (None, 'model')
+    """
+
+    def __init__(self, device_mesh: Any = None):
+        if device_mesh is not None and not isinstance(
+            device_mesh, keras.distribution.DeviceMesh
+        ):
+            raise TypeError(
+                "`device_mesh` must be a DeviceMesh or None. Received: "
+                f"device_mesh={device_mesh!r} of type {type(device_mesh).__name__}"
+            )
+        self._layout_map: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._device_mesh = device_mesh
+
+    def __getitem__(self, key: str) -> Any:
+        if not isinstance(key, str):
+            raise TypeError(f"LayoutMap keys are path strings. Received: key={key!r}")
+        if key in self._layout_map:
+            return self._layout_map[key]
+        matches = [pattern for pattern in self._layout_map if re.search(pattern, key)]
+        if len(matches) > 1:
+            raise ValueError(
+                f"Path {key!r} matches more than one LayoutMap key: {matches}. "
+                "Make the keys specific enough that each path matches one."
+            )
+        return self._layout_map[matches[0]] if matches else None
+
+    def __setitem__(self, key: str, layout: Any) -> None:
+        if not isinstance(key, str):
+            raise TypeError(
+                f"LayoutMap keys are path strings or regexes. Received: key={key!r}"
+            )
+        if key in self._layout_map:
+            raise ValueError(
+                f"LayoutMap already has the key {key!r} (layout "
+                f"{self._layout_map[key]}). Each key may be set once; delete it "
+                "first to replace it."
+            )
+        try:
+            re.compile(key)
+        except re.error as error:
+            raise ValueError(
+                f"LayoutMap keys are regular expressions; {key!r} is not a valid "
+                f"one ({error})."
+            ) from None
+        if isinstance(layout, (tuple, list)):
+            layout = TensorLayout(tuple(layout))
+        if not isinstance(layout, keras.distribution.TensorLayout):
+            raise TypeError(
+                "LayoutMap values must be a TensorLayout or a tuple of mesh axis "
+                f"names and None. Received: {key!r} -> {layout!r}"
+            )
+        if layout.device_mesh is None and self._device_mesh is not None:
+            layout.device_mesh = self._device_mesh
+        self._layout_map[key] = layout
+
+    def __delitem__(self, key: str) -> None:
+        del self._layout_map[key]
+
+    def __len__(self) -> int:
+        return len(self._layout_map)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layout_map)
+
+    @property
+    def device_mesh(self) -> Any:
+        return self._device_mesh

@@ -1,0 +1,83 @@
+"""Every touch of Keras' private API, one module per concern, and the probe.
+
+keras_dist reaches into Keras only here (and in each backend's
+`backends/<name>/keras_internals.py`, for that backend's trainer). Each module
+has a `check()` that names what it relies on and no longer finds; `check()`
+below runs them all, and `tests/test_keras_internals.py` fails loudly when a
+Keras release moves one.
+
+What importing keras_dist patches (`patch_keras`, called once by
+`keras_dist/__init__.py`):
+
+- `keras.Model.fit`, `evaluate` and `predict` run inside keras_dist's context
+  manager, which ends a distributed run with its call, also when it raises
+  (`model_calls.run_model_calls_within`);
+- Keras' `TFDatasetAdapter.__init__` marks that it is running, so that
+  `Distribution.distribute_dataset` knows Keras is its caller
+  (`data_adapters.mark_keras_data_adapter`).
+
+What keras_dist patches later, and only while it is needed:
+
+- when a distributed call starts: the model's step functions
+  (`steps.install_cached_steps`), each BatchNormalization layer's moments
+  (`batch_norm.replace_moments`), Keras' metric classes' `update_state`
+  (`metrics.install_row_aware_metrics`: unchanged outside keras_dist's
+  steps), the epoch iterator's batch source (`epoch_iterator.EpochRouting`);
+- when a job of several processes starts: Keras' `save_model` and
+  `save_weights`, `BackupAndRestore`, `file_utils.makedirs` and, on processes
+  other than 0, the file-writing callbacks (`saving`, `callbacks`);
+- for a `kd.Checkpoint` or `kd.callbacks.Throughput`: the epoch iterator's
+  enumeration (`epoch_iterator`);
+- when a backend's adapter loads: that backend's trainer hooks, in
+  `backends/<name>/keras_internals.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from keras_dist.keras_compat import (
+    batch_norm,
+    callbacks,
+    data_adapters,
+    distribution,
+    epoch_iterator,
+    layers,
+    metrics,
+    model_calls,
+    optimizers,
+    saving,
+    variables,
+)
+
+_PROBED_MODULES = (
+    distribution,
+    model_calls,
+    layers,
+    optimizers,
+    batch_norm,
+    variables,
+    data_adapters,
+    saving,
+    callbacks,
+    metrics,
+    epoch_iterator,
+)
+
+
+def patch_keras(*, around_model_calls: Callable[[Any], Any]) -> None:
+    """Apply the patches importing keras_dist applies (idempotent); see the
+    module docstring. `around_model_calls(model)` is the context manager every
+    `fit`, `evaluate` and `predict` runs in."""
+    model_calls.run_model_calls_within(around_model_calls)
+    data_adapters.mark_keras_data_adapter()
+
+
+def check() -> list[str]:
+    """Names of the backend-neutral Keras details this release no longer
+    matches (empty when all are where keras_dist expects them)."""
+    missing: list[str] = []
+    for module in _PROBED_MODULES:
+        missing += module.check()
+    return missing

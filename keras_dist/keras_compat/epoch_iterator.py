@@ -1,0 +1,209 @@
+"""Keras' epoch iterator: whose batches an epoch reads, where it starts, how
+long each read takes."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+
+
+class EpochRouting:
+    """Keras builds each epoch's batches with `iterator_class._get_iterator`;
+    while a source is routed, they come from `source(data_adapter)` instead
+    (the latest routed source wins; unrouting the last restores Keras')."""
+
+    def __init__(self, iterator_class: type):
+        self._class = iterator_class
+        self._original = iterator_class._get_iterator
+        self._sources: list[Callable[[Any], Any]] = []
+
+    def route(self, source: Callable[[Any], Any]) -> None:
+        sources = self._sources
+
+        def get_iterator(epoch_iterator: Any) -> Any:
+            return sources[-1](epoch_iterator.data_adapter)
+
+        self._class._get_iterator = get_iterator
+        sources.append(source)
+
+    def unroute(self) -> None:
+        if self._sources:
+            self._sources.pop()
+        if not self._sources:
+            self._class._get_iterator = self._original
+
+
+_EpochIterator = None  # keras.src.trainers.epoch_iterator.EpochIterator
+
+_resume_at: list[int] = []  # the step the next epoch starts at (one-shot)
+
+# Called right before and right after an epoch's data iterator is made (see
+# `watch_new_iterators`).
+_iterator_watcher: list[tuple[Callable[[], None], Callable[[], None]]] = []
+
+
+def watch_new_iterators(before: Callable[[], None], after: Callable[[], None]) -> None:
+    """Call `before()` right before `fit` makes an epoch's data iterator and
+    `after()` right after (the moment a DataLoader or a `tf.data` pipeline
+    draws from the random generators), replacing the previous watcher."""
+    _install_epoch_start()
+    _iterator_watcher[:] = [(before, after)]
+
+
+def start_next_epoch_at(step: int) -> None:
+    """The next epoch that `fit` enumerates starts at batch `step`: the first
+    `step` batches are read and dropped (so the data, shuffled or not, goes
+    on where it was), callbacks see `on_train_batch_begin(step)` first, and
+    the progress bar counts from there. Consumed by that epoch; call it from
+    `on_epoch_begin`, before the epoch reads its first batch."""
+    _install_epoch_start()
+    _resume_at[:] = [int(step)]
+
+
+def _install_epoch_start() -> None:
+    global _EpochIterator
+    if _EpochIterator is not None:
+        return
+    from keras.src.trainers.epoch_iterator import EpochIterator  # noqa: PLC0415
+
+    original = EpochIterator._enumerate_iterator
+
+    @functools.wraps(original)
+    def enumerate_iterator(self: Any) -> Iterator[Any]:
+        start = _resume_at.pop() if _resume_at else 0
+        return (yield from _enumerate_from(self, start))
+
+    enumerate_iterator._keras_original = original
+    EpochIterator._enumerate_iterator = enumerate_iterator
+    _EpochIterator = EpochIterator
+
+
+def _new_iterator(self: Any) -> Iterator[Any]:
+    for before, _ in list(_iterator_watcher):
+        before()
+    iterator = iter(self._get_iterator())
+    for _, after in list(_iterator_watcher):
+        after()
+    if _batch_read_timers:
+        return timed_reads(iterator)
+    return iterator
+
+
+# What to call with the seconds each `next()` on an epoch's data iterator took
+# (see `time_batch_reads`): weak references, so a callback that a raising
+# `fit` never told to stop is dropped with its last user reference.
+_batch_read_timers: list[Callable[[], Callable[[float], None] | None]] = []
+
+
+def time_batch_reads(record: Callable[[float], None]) -> Callable[[], None]:
+    """Call `record(seconds)` after each batch read from the epoch iterators
+    `fit`, `evaluate` and `predict` make from now on (a `next()` on the data
+    iterator), until the returned function is called or `record`'s object
+    (a bound method's) is gone. Only for backends whose steps read their
+    batches in Python: a TensorFlow step reads its batches inside its
+    compiled function, from the iterator object itself."""
+    _install_epoch_start()
+    reference: Callable[[], Callable[[float], None] | None]
+    if inspect.ismethod(record):
+        reference = weakref.WeakMethod(record)
+    else:
+        reference = lambda: record  # noqa: E731
+    _batch_read_timers.append(reference)
+
+    def stop() -> None:
+        with contextlib.suppress(ValueError):
+            _batch_read_timers.remove(reference)
+
+    return stop
+
+
+def timed_reads(iterator: Iterator[Any]) -> Iterator[Any]:
+    """`iterator`'s items, each read timed and handed to the recorders of
+    `time_batch_reads` (what `fit` reads its batches through while one is on)."""
+    clock = time.perf_counter
+    while True:
+        start = clock()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        seconds = clock() - start
+        for reference in list(_batch_read_timers):
+            record = reference()
+            if record is None:
+                with contextlib.suppress(ValueError):
+                    _batch_read_timers.remove(reference)
+            else:
+                record(seconds)
+        yield batch
+
+
+def _enumerate_from(self: Any, start: int) -> Iterator[Any]:
+    """Keras' `EpochIterator._enumerate_iterator`, from batch `start`, telling
+    the watcher when it makes an iterator."""
+    self.data_adapter.on_epoch_begin()
+    steps_per_epoch = self.steps_per_epoch or self._num_batches or -1
+    if steps_per_epoch > 0:
+        if self._current_iterator is None or self.steps_per_epoch is None:
+            self._current_iterator = _new_iterator(self)
+            self._steps_seen = 0
+        for _ in range(start):
+            next(self._current_iterator)
+        self._steps_seen += start
+        for step in range(start, steps_per_epoch, self.steps_per_execution):
+            if self._num_batches and self._steps_seen >= self._num_batches:
+                if self.steps_per_epoch:
+                    self._interrupted_warning()
+                break
+            self._steps_seen += self.steps_per_execution
+            yield step, step + self.steps_per_execution - 1, self._current_iterator
+        if self._num_batches and self._steps_seen >= self._num_batches:
+            self._current_iterator = _new_iterator(self)
+            self._steps_seen = 0
+    else:
+        iterator = _new_iterator(self)
+        for _ in range(start):
+            next(iterator)
+        step = start - self.steps_per_execution
+        while True:
+            step += self.steps_per_execution
+            self._steps_seen = step + self.steps_per_execution
+            yield step, step + self.steps_per_execution - 1, iterator
+    self.data_adapter.on_epoch_end()
+
+
+def set_initial_epoch(model: Any, epoch: int | None) -> None:
+    """The epoch the `fit` now starting begins at (read right after
+    `on_train_begin`), as Keras' `BackupAndRestore` sets it; None: the
+    `initial_epoch` argument."""
+    model._initial_epoch = epoch
+
+
+def check() -> list[str]:
+    """What `start_next_epoch_at`, `watch_new_iterators`, `time_batch_reads`
+    and `set_initial_epoch` need."""
+    from keras.src.trainers.epoch_iterator import EpochIterator  # noqa: PLC0415
+
+    missing = []
+    method = EpochIterator._enumerate_iterator
+    source = inspect.getsource(getattr(method, "_keras_original", method))
+    for needle in (
+        "self._current_iterator",
+        "self._steps_seen",
+        "steps_per_execution",
+        "iter(self._get_iterator())",
+        "self._interrupted_warning()",
+    ):
+        if needle not in source:
+            missing.append(f"EpochIterator._enumerate_iterator uses {needle}")
+    trainer_source = inspect.getsource(type(keras.Model()).fit)
+    if "self._initial_epoch or initial_epoch" not in trainer_source:
+        missing.append("fit reads model._initial_epoch after on_train_begin")
+    return missing

@@ -1,0 +1,92 @@
+"""Keras' layer tree: nested layers, a functional graph's calls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+
+def layers_of(model: Any) -> list[Any]:
+    """`model` and every layer in it, nested ones included."""
+    return list(model._flatten_layers(include_self=True, recursive=True))
+
+
+def own_variables(layer: Any) -> list[Any]:
+    """The variables `layer` itself created (not its sublayers'), trainable
+    first, as Keras saves them."""
+    return layer._trainable_variables + layer._non_trainable_variables
+
+
+def seed_generators(layer: Any) -> list[Any]:
+    """The `SeedGenerator`s `layer` itself holds (Dropout's, say)."""
+    return list(getattr(layer, "_seed_generators", []))
+
+
+def sublayers(layer: Any) -> list[Any]:
+    """The layers `layer` holds directly (for `keras_dist.flops`)."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def graph_calls(model: Any) -> dict[int, int] | None:
+    """How many times `model`'s graph calls each layer, by `id`, for a
+    functional model or a Sequential built as one; None for other layers."""
+    from keras.src.models.functional import Functional  # noqa: PLC0415
+
+    graph = getattr(model, "_functional", None) or model
+    if not isinstance(graph, Functional):
+        return None
+    calls: dict[int, int] = {}
+    for nodes in graph._nodes_by_depth.values():
+        for node in nodes:
+            calls[id(node.operation)] = calls.get(id(node.operation), 0) + 1
+    return calls
+
+
+def grouped_attention_projections(layer: Any) -> dict[str, Any]:
+    """The `EinsumDense` projections of a `GroupQueryAttention` layer."""
+    return {
+        "query": layer._query_dense,
+        "key": layer._key_dense,
+        "value": layer._value_dense,
+        "output": layer._output_dense,
+    }
+
+
+def check() -> list[str]:
+    """What `layers_of`, `own_variables`, `seed_generators`, `sublayers`,
+    `graph_calls` and `grouped_attention_projections` need."""
+    missing = []
+    model = keras.Sequential([keras.layers.BatchNormalization()])
+    if not hasattr(model, "_flatten_layers"):
+        missing.append("Layer._flatten_layers")
+    dense = keras.layers.Dense(2)
+    dense.build((None, 3))
+    if not all(
+        hasattr(dense, name)
+        for name in (
+            "_trainable_variables",
+            "_non_trainable_variables",
+            "_seed_generators",
+        )
+    ):
+        missing.append("Layer._trainable_variables / Layer._seed_generators")
+    inputs = keras.Input((3,))
+    shared = keras.layers.Dense(3)
+    model = keras.Model(inputs, shared(shared(inputs)))
+    if (graph_calls(model) or {}).get(id(shared)) != 2:
+        missing.append("Functional._nodes_by_depth nodes with .operation")
+    sequential = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    if graph_calls(sequential) is None:
+        missing.append("Sequential._functional")
+    if not set(map(id, sequential.layers)) <= set(map(id, sublayers(sequential))):
+        missing.append("Layer._flatten_layers(include_self=False, recursive=False)")
+    attention = keras.layers.GroupQueryAttention(2, 2, 1)
+    attention.build((None, 4, 4), (None, 4, 4))
+    try:
+        projections = list(grouped_attention_projections(attention).values())
+    except AttributeError:
+        projections = []
+    if [type(layer) for layer in projections] != [keras.layers.EinsumDense] * 4:
+        missing.append("GroupQueryAttention._query_dense/_key_dense/...")
+    return missing

@@ -1,0 +1,505 @@
+"""`keras_dist.plan`: where every variable goes and what each device holds,
+from shapes only, before anything is allocated on a device."""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_dist.backends import get_adapter
+from keras_dist.keras_compat.distribution import KerasDistribution
+from keras_dist.keras_compat.variables import shapes_only_variables
+from keras_dist.planner.result import DeviceTotals, Plan, Problem, VariableRow
+from keras_dist.planner.slots import Slot, optimizer_slots
+
+__all__ = ["DeviceTotals", "Plan", "Problem", "VariableRow", "plan"]
+
+UNMATCHED = "unmatched"
+ON_INDIVISIBLE = ("error", "replicate")
+ACTIVATION_NOTE = (
+    "Activations are an estimate: the sum of the output sizes of the model's "
+    "inputs and top-level layers for one batch of `batch_size` rows, split "
+    "along the batch axis. It leaves out what layers keep inside (attention "
+    "scores, nested models' inner outputs), gradients and the compiler's "
+    "workspace, and counts every output as alive at once."
+)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a distribution reads of a variable: path, shape, dtype."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+def plan(
+    model: Any,
+    distribution: Any,
+    *,
+    batch_size: int | None = None,
+    device_memory: int | None = None,
+    on_indivisible: str = "error",
+    optimizer: Any = None,
+) -> Plan:
+    """Lay out `model` under `distribution` on paper: every variable's layout
+    and bytes per device, each device's totals, and every problem found.
+
+    Only variable paths, shapes and dtypes are read; no value is read and
+    nothing is placed on a device, so a mesh of devices this machine does not
+    have can be planned.
+
+    Args:
+        model: a built Keras model, or a function of no arguments returning
+            one: it is then built inside `keras.StatelessScope`, where Keras
+            defers variable initialisation, so even a model far larger than
+            this machine's memory is planned without allocating it.
+        distribution: a `DataParallel`, `ModelParallel` or `FSDP` (keras_dist's
+            or Keras' own policies).
+        batch_size: the global batch, for the activation estimate (functional
+            and Sequential models only).
+        device_memory: bytes per device. Defaults to what the backend reports
+            (`memory_stats()["bytes_limit"]` on JAX accelerators, the CUDA
+            total on PyTorch); unknown on CPU and TensorFlow.
+        on_indivisible: `"error"` raises a `ValueError` for a dimension that
+            its mesh axis does not divide; `"replicate"` plans that dimension
+            replicated and reports it as a problem.
+        optimizer: an optimizer (or its name, e.g. `"adam"`) whose slots to
+            count. Defaults to the model's compiled optimizer, if any.
+            Slots are counted by building a copy of it on the model's
+            trainable variables inside the same stateless scope.
+
+    Returns:
+        A `Plan`.
+
+    Example:
+
+    >>> mesh = keras_dist.DeviceMesh((1,), ["batch"], ["cpu:0"])
+    >>> def build():
+    ...     return keras.Sequential(
+    ...         [keras.Input((4,)), keras.layers.Dense(2, name="dense")], name="net"
+    ...     )
+    >>> result = keras_dist.plan(build, keras_dist.DataParallel(mesh), batch_size=8)
+    >>> [(row.path, row.bytes_per_device) for row in result.rows]
+    [('net/dense/kernel', 32), ('net/dense/bias', 8)]
+    >>> result.devices[0].activations  # inputs and outputs of 8 rows, float32
+    192
+    """
+    _check_arguments(distribution, batch_size, device_memory, on_indivisible)
+    if not isinstance(model, keras.layers.Layer) and callable(model):
+        with shapes_only_variables():
+            try:
+                model = model()
+            except ValueError as error:
+                if "stateless scope" not in str(error):
+                    raise
+                raise ValueError(
+                    "The model function made a variable with a value, which "
+                    "keras.StatelessScope refuses: it may build the model "
+                    "(layers' own weights) but not compile it; pass the "
+                    "optimizer as `plan(..., optimizer=...)` instead. "
+                    f"Received: model={model!r}"
+                ) from error
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            "`model` must be a Keras model or a function of no arguments "
+            f"returning one. Received: model={model!r}"
+        )
+    slots, slot_note = optimizer_slots(model, optimizer)
+    return _Planner(model, distribution, on_indivisible).run(
+        slots, slot_note, batch_size, device_memory
+    )
+
+
+def _check_arguments(
+    distribution: Any, batch_size: Any, device_memory: Any, on_indivisible: Any
+) -> None:
+    if not isinstance(distribution, KerasDistribution):
+        raise TypeError(
+            "`distribution` must be a DataParallel, ModelParallel or FSDP. "
+            f"Received: distribution={distribution!r}"
+        )
+    for name, value in (("batch_size", batch_size), ("device_memory", device_memory)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(
+                f"`{name}` must be an int or None. Received: {name}={value!r}"
+            )
+        if value < 1:
+            raise ValueError(f"`{name}` must be at least 1. Received: {name}={value}")
+    if on_indivisible not in ON_INDIVISIBLE:
+        raise ValueError(
+            f"`on_indivisible` must be one of {ON_INDIVISIBLE}. Received: "
+            f"on_indivisible={on_indivisible!r}"
+        )
+
+
+def _itemsize_bits(dtype: Any) -> int:
+    name = keras.backend.standardize_dtype(dtype)
+    try:
+        return np.dtype(name).itemsize * 8
+    except TypeError:  # bfloat16, float8_*, int4: not NumPy dtypes
+        bits = re.search(r"(\d+)", name)
+        return int(bits.group(1)) if bits else 32
+
+
+def _device_name(device: Any) -> str:
+    if hasattr(device, "platform") and hasattr(device, "id"):
+        return f"{device.platform}:{device.id}"
+    return str(device)
+
+
+class _Planner:
+    def __init__(self, model: Any, distribution: Any, on_indivisible: str):
+        self.model = model
+        self.distribution = distribution
+        self.on_indivisible = on_indivisible
+        mesh = distribution.device_mesh
+        self.mesh = {
+            str(a): int(s) for a, s in zip(mesh.axis_names, mesh.shape, strict=True)
+        }
+        self.batch_axis = getattr(distribution, "batch_dim_name", None) or next(
+            iter(self.mesh)
+        )
+        # keras_dist's ModelParallel and FSDP say `layout_map`; Keras' own
+        # ModelParallel keeps it as `_layout_map` only.
+        self.layout_map = getattr(distribution, "layout_map", None)
+        if self.layout_map is None:
+            self.layout_map = getattr(distribution, "_layout_map", None)
+        self.keys = list(self.layout_map) if self.layout_map is not None else []
+        self.problems: list[Problem] = []
+        self.indivisible: list[str] = []
+
+    def run(
+        self,
+        slots: list[Slot],
+        slot_note: str,
+        batch_size: int | None,
+        device_memory: int | None,
+    ) -> Plan:
+        variables = _unique(self.model.variables)
+        trainable = {id(v) for v in self.model.trainable_variables}
+        model_rows: list[VariableRow] = []
+        by_path: dict[str, VariableRow] = {}
+        map_axes: dict[str, tuple] = {}
+        for variable in variables:
+            spec = _Shape(
+                variable.path,
+                tuple(int(s) for s in variable.shape),
+                str(variable.dtype),
+            )
+            role = "trainable" if id(variable) in trainable else "non-trainable"
+            row, map_axes[spec.path] = self._row(spec, role)
+            model_rows.append(row)
+            by_path.setdefault(row.path, row)
+        slot_rows = []
+        for slot in slots:
+            spec = _Shape(slot.path, slot.shape, slot.dtype)
+            owner = by_path.get(slot.owner) if slot.owner else None
+            if owner is not None:
+                slot_rows.append(self._sized(spec, "optimizer", owner.key, owner.axes))
+            else:
+                slot_rows.append(self._row(spec, "optimizer")[0])
+        if self.indivisible:
+            raise ValueError(
+                "Some dimensions do not divide the mesh axis they are split "
+                "along:\n  " + "\n  ".join(self.indivisible) + "\nFix the LayoutMap "
+                "(lay that dimension out along another axis or None), change the "
+                "mesh, or pass on_indivisible='replicate' to plan them replicated."
+            )
+        self._check_keys(model_rows)
+        self._check_swapped(model_rows, map_axes)
+        activations, activation_note = self._activations(batch_size)
+        devices = self._devices(model_rows, slot_rows, activations, device_memory)
+        notes = [slot_note, activation_note]
+        if all(d.memory is None for d in devices):
+            notes.append(
+                "Device memory is unknown (CPU or a backend that does not report "
+                "it): pass device_memory= to check that the plan fits."
+            )
+        return Plan(
+            repr(self.distribution),
+            self.mesh,
+            self.batch_axis,
+            model_rows + slot_rows,
+            devices,
+            self.problems,
+            notes,
+        )
+
+    # -- one variable ------------------------------------------------------------
+    def _matching_keys(self, path: str) -> list[str]:
+        if path in self.keys:
+            return [path]
+        return [key for key in self.keys if re.search(key, path)]
+
+    def _row(self, spec: _Shape, role: str) -> tuple[VariableRow, tuple]:
+        """The variable's row and the axes its LayoutMap key gives it."""
+        keys = self._matching_keys(spec.path)
+        lookup = spec
+        if len(keys) > 1:
+            self.problems.append(
+                Problem(
+                    "multiple-keys",
+                    f"{spec.path!r} matches {len(keys)} LayoutMap keys {keys}; Keras "
+                    f"raises on it. The plan uses the first, {keys[0]!r}. Make the "
+                    "keys specific enough that each path matches one.",
+                    (spec.path,),
+                )
+            )
+        if keys:
+            # An exact key wins over regex matches: looking the key itself up
+            # gives that key's layout, whatever else matches the path.
+            lookup = _Shape(keys[0], spec.shape, spec.dtype)
+            map_layout = tuple(self.layout_map[keys[0]].axes)
+        else:
+            map_layout = ()
+        rank = len(spec.shape)
+        if len(map_layout) > rank:
+            self.problems.append(
+                Problem(
+                    "too-many-axes",
+                    f"LayoutMap key {keys[0]!r} gives {spec.path!r} (shape "
+                    f"{spec.shape}) {len(map_layout)} axes {map_layout}; keras_dist "
+                    "raises on it when training starts. Give at most one axis or "
+                    "None per dimension. Planned replicated.",
+                    (spec.path,),
+                )
+            )
+            axes = self._fsdp((None,) * rank, spec)
+            map_layout = (None,) * rank
+        else:
+            layout = self.distribution.get_variable_layout(lookup)
+            axes = tuple(layout.axes) + (None,) * (rank - len(layout.axes))
+        axes = self._divisible(spec, axes, keys[0] if keys else UNMATCHED)
+        map_axes = map_layout + (None,) * (rank - len(map_layout))
+        return self._sized(spec, role, keys[0] if keys else UNMATCHED, axes), map_axes
+
+    def _fsdp(self, axes: tuple, spec: _Shape) -> tuple:
+        fsdp_dimension = getattr(self.distribution, "fsdp_dimension", None)
+        if fsdp_dimension is None:
+            return axes
+        dimension = fsdp_dimension(spec.path, spec.shape, spec.dtype, axes)
+        if dimension is None:
+            return axes
+        return axes[:dimension] + (self.distribution.axis,) + axes[dimension + 1 :]
+
+    def _divisible(self, spec: _Shape, axes: tuple, key: str) -> tuple:
+        kept = list(axes)
+        for dimension, axis in enumerate(axes):
+            if axis is None or spec.shape[dimension] % self.mesh[axis] == 0:
+                continue
+            what = (
+                f"{spec.path!r}: dimension {dimension} (size "
+                f"{spec.shape[dimension]}, shape {spec.shape}) does not divide mesh "
+                f"axis {axis!r} (size {self.mesh[axis]}); LayoutMap key {key!r}"
+            )
+            if self.on_indivisible == "error":
+                self.indivisible.append(what)
+                continue
+            kept[dimension] = None
+            self.problems.append(
+                Problem(
+                    "indivisible",
+                    f"{what}. Planned replicated along {axis!r}; the distribution "
+                    "itself refuses it until the LayoutMap says so.",
+                    (spec.path,),
+                )
+            )
+        return tuple(kept)
+
+    def _sized(self, spec: _Shape, role: str, key: str, axes: tuple) -> VariableRow:
+        elements = int(np.prod(spec.shape, dtype=np.int64))
+        total = elements * _itemsize_bits(spec.dtype) // 8
+        parts = int(
+            np.prod([self.mesh[a] for a in axes if a is not None], dtype=np.int64)
+        )
+        per_device = -(-total // parts)
+        return VariableRow(
+            spec.path, spec.shape, spec.dtype, role, key, axes, total, per_device
+        )
+
+    # -- the whole map -----------------------------------------------------------
+    def _check_keys(self, rows: list[VariableRow]) -> None:
+        paths = [row.path for row in rows] + _output_paths(self.model)
+        for key in self.keys:
+            matched = [p for p in paths if key == p or re.search(key, p)]
+            if not matched:
+                self.problems.append(
+                    Problem(
+                        "unmatched-key",
+                        f"LayoutMap key {key!r} matches no variable or layer output of "
+                        "the model (a typo, or a key for another model): what it "
+                        "should shard stays replicated.",
+                        (key,),
+                    )
+                )
+                continue
+            names = sorted(
+                {p.rsplit("/", 1)[-1] for p in matched if not p.endswith("/output")}
+            )
+            if len(names) > 1:
+                self.problems.append(
+                    Problem(
+                        "mixed-roles",
+                        f"LayoutMap key {key!r} matches variables of different roles "
+                        f"{names} (e.g. a kernel and its LoRA factors, which need "
+                        "other layouts); anchor the key, e.g. end it with '/kernel$'.",
+                        tuple(matched),
+                    )
+                )
+
+    def _check_swapped(
+        self, rows: list[VariableRow], map_axes: dict[str, tuple]
+    ) -> None:
+        width = model_width(rows)
+        if width is None:
+            return
+        for row in rows:
+            axes = map_axes.get(row.path, ())
+            model_on_width = any(
+                a is not None and a != self.batch_axis and row.shape[i] == width
+                for i, a in enumerate(axes)
+            )
+            batch_off_width = any(
+                a == self.batch_axis and row.shape[i] != width
+                for i, a in enumerate(axes)
+            )
+            if model_on_width and batch_off_width:
+                self.problems.append(
+                    Problem(
+                        "swapped-axes",
+                        f"{row.path!r} (shape {row.shape}) has layout {axes}: a model "
+                        f"axis on its model-width dimension (size {width}) and the "
+                        f"data axis {self.batch_axis!r} on another; the two look "
+                        "swapped (as in keras-hub#2827). Check the LayoutMap key "
+                        f"{row.key!r}.",
+                        (row.path,),
+                    )
+                )
+
+    # -- totals ------------------------------------------------------------------
+    def _activations(self, batch_size: int | None) -> tuple[int | None, str]:
+        if batch_size is None:
+            return None, "No activation estimate: pass batch_size= for one."
+        tensors, unknown = _output_tensors(self.model)
+        if tensors is None:
+            return None, (
+                "No activation estimate: the model is subclassed, so its layers' "
+                "outputs are unknown before it runs."
+            )
+        total = 0
+        for tensor in tensors:
+            shape = tuple(tensor.shape)[1:]
+            if any(size is None for size in shape):
+                return None, (
+                    f"No activation estimate: an output has unknown dimensions "
+                    f"{tuple(tensor.shape)} (e.g. a sequence length); build the "
+                    "model with fixed input shapes."
+                )
+            elements = batch_size * int(np.prod(shape, dtype=np.int64))
+            total += elements * _itemsize_bits(tensor.dtype) // 8
+        note = ACTIVATION_NOTE
+        if unknown:
+            note += f" Layers called more than once are left out: {unknown}."
+        return -(-total // self.mesh[self.batch_axis]), note
+
+    def _devices(
+        self,
+        model_rows: list[VariableRow],
+        slot_rows: list[VariableRow],
+        activations: int | None,
+        device_memory: int | None,
+    ) -> list[DeviceTotals]:
+        # Every layout splits evenly, so every device holds the same bytes.
+        parameters = sum(row.bytes_per_device for row in model_rows)
+        slots = sum(row.bytes_per_device for row in slot_rows)
+        names = [
+            _device_name(d)
+            for d in np.asarray(self.distribution.device_mesh.devices).reshape(-1)
+        ]
+        devices = []
+        for name in names:
+            memory = device_memory
+            if memory is None:
+                memory = get_adapter().device_memory_bytes(name)
+            devices.append(DeviceTotals(name, parameters, slots, activations, memory))
+        over = [d for d in devices if d.memory is not None and d.total > d.memory]
+        if over:
+            largest = sorted(model_rows + slot_rows, key=lambda r: -r.bytes_per_device)
+            self.problems.append(
+                Problem(
+                    "out-of-memory",
+                    f"{len(over)} device(s) ({', '.join(d.device for d in over[:4])}"
+                    f"{', ...' if len(over) > 4 else ''}) need {over[0].total:,} bytes "
+                    f"(parameters {parameters:,}, optimizer slots {slots:,}, "
+                    f"activations {activations or 0:,}) but have {over[0].memory:,}. "
+                    "Shard more (FSDP, a model axis), use more devices or a smaller "
+                    "batch.",
+                    tuple(row.path for row in largest[:5]),
+                )
+            )
+        return devices
+
+
+def model_width(rows: list[VariableRow]) -> int | None:
+    """The model width H the swapped-axes check compares against: the most
+    common size among the last dimension of embedding tables (variables
+    named `embeddings`) and the first dimension of 2-D `kernel`s (the larger
+    size on a tie); None when the model has neither."""
+    sizes = collections.Counter()
+    for row in rows:
+        name = row.path.rsplit("/", 1)[-1]
+        if name == "embeddings" and len(row.shape) >= 2:
+            sizes[row.shape[-1]] += 1
+        elif name == "kernel" and len(row.shape) == 2:
+            sizes[row.shape[0]] += 1
+    if not sizes:
+        return None
+    return max(sizes, key=lambda size: (sizes[size], size))
+
+
+def _unique(variables: list[Any]) -> list[Any]:
+    seen: dict[int, Any] = {}
+    for variable in variables:
+        seen.setdefault(id(variable), variable)
+    return list(seen.values())
+
+
+def _output_paths(model: Any) -> list[str]:
+    """`"<layer path>/output"` of every layer, the paths output keys match."""
+    flatten: Callable[..., Any] | None = getattr(model, "_flatten_layers", None)
+    layers = flatten(include_self=True, recursive=True) if flatten else [model]
+    return [f"{layer.path}/output" for layer in layers if getattr(layer, "path", None)]
+
+
+def _output_tensors(model: Any) -> tuple[list[Any] | None, list[str]]:
+    """The symbolic inputs and top-level layer outputs of a functional or
+    Sequential model (None when subclassed), and the layers left out."""
+    try:
+        inputs = list(keras.tree.flatten(model.inputs))
+    except (AttributeError, ValueError):
+        return None, []
+    tensors = {id(t): t for t in inputs}
+    unknown = []
+    for layer in model.layers:
+        try:
+            outputs = keras.tree.flatten(layer.output)
+        except (AttributeError, ValueError, RuntimeError):
+            unknown.append(layer.name)
+            continue
+        for tensor in outputs:
+            tensors.setdefault(id(tensor), tensor)
+    return list(tensors.values()), unknown

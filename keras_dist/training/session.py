@@ -1,0 +1,178 @@
+"""Turning a distribution on and off for one model's fit/evaluate/predict."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+
+from keras_dist import keras_compat
+from keras_dist.backends import get_adapter
+from keras_dist.distribution.policies import Distribution, ModelParallel
+from keras_dist.faults import heartbeat
+from keras_dist.keras_compat.callbacks import silence_callbacks
+from keras_dist.keras_compat.distribution import KerasDistribution
+from keras_dist.keras_compat.layers import layers_of
+from keras_dist.training import saving
+
+_active_runs: dict[int, DistributedRun] = {}
+# One token per Keras fit/evaluate/predict in progress, innermost last.
+_calls_in_progress: list[object] = []
+
+
+def check_distribution(distribution: Any, owner: str) -> Distribution:
+    if not isinstance(distribution, Distribution):
+        hint = ""
+        if isinstance(distribution, KerasDistribution):
+            hint = (
+                " Keras' own policies are not enough on every backend; build the "
+                "same one from keras_dist, e.g. keras_dist.DataParallel(...)."
+            )
+        raise TypeError(
+            f"{owner} needs a keras_dist Distribution such as "
+            f"keras_dist.DataParallel or keras_dist.ModelParallel.{hint} "
+            f"Received: {distribution!r} of type {type(distribution).__name__}"
+        )
+    return distribution
+
+
+class DistributedRun:
+    """`distribution` made active for `model` until `stop()`.
+
+    While active the distribution is the global one (Keras sees it too), the
+    model's existing variables carry its layouts and the backend adapter routes
+    the model's batches and steps.
+    """
+
+    def __init__(self, model: Any, distribution: Distribution):
+        self.model = model
+        self.distribution = distribution
+        self._previous: Any = None
+        self._undo: list[Callable[[], None]] = []  # run in reverse by `stop`
+        self.active = False
+        # The Keras call that started the run (None: started outside any).
+        self._call: object | None = None
+
+    def start(self) -> DistributedRun:
+        key = id(self.model)
+        if key in _active_runs:
+            raise RuntimeError(
+                f"A distribution is already active for model {self.model.name!r}; "
+                "use one DistributeCallback per fit/evaluate/predict call."
+            )
+        # One writer: process 0 writes every file (`keras_dist.saving`), for
+        # a job whose processes did not join through `keras_dist.initialize()`.
+        saving.install()
+        # Each process' heartbeat, for the hang doctor (several processes).
+        adapter = get_adapter()
+        heartbeat.start(
+            rank=adapter.process_id(),
+            world_size=adapter.num_processes(),
+            collective_trace=adapter.collective_trace,
+        )
+        self._previous = keras.distribution.distribution()
+        keras.distribution.set_distribution(self.distribution)
+        try:
+            get_adapter().activate(self.model, self.distribution)
+        except BaseException:
+            keras.distribution.set_distribution(self._previous)
+            raise
+        _active_runs[key] = self
+        self.active = True
+        _warn_unmatched_layout_keys(self.model, self.distribution)
+        self._call = _calls_in_progress[-1] if _calls_in_progress else None
+        # One voice: only process 0 shows progress bars and per-epoch logs.
+        # (Files, from checkpoints to CSV logs and TensorBoard events, are
+        # written by process 0 whether a run is active or not: `saving`.)
+        if get_adapter().process_id() != 0:
+            quiet = not os.environ.get("KERAS_DIST_VERBOSE_ALL_PROCESSES")
+            if quiet:
+                self._undo.append(silence_callbacks((keras.callbacks.ProgbarLogger,)))
+            if quiet and keras.config.is_interactive_logging_enabled():
+                keras.config.disable_interactive_logging()
+                self._undo.append(keras.config.enable_interactive_logging)
+        return self
+
+    @property
+    def stale(self) -> bool:
+        """Whether the run outlived the Keras call that started it, or was
+        started outside any (a callback's `set_model` called by hand): the
+        next Keras call, on any model, stops it first."""
+        return self.active and self._call not in _calls_in_progress
+
+    def stop(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        _active_runs.pop(id(self.model), None)
+        # Before the undo: it keeps the compiled steps, which must be Keras'.
+        heartbeat.end_calls(self.model)
+        try:
+            while self._undo:
+                self._undo.pop()()
+        finally:
+            try:
+                get_adapter().deactivate(self.model)
+            finally:
+                keras.distribution.set_distribution(self._previous)
+
+
+_warned_keys: set[tuple[int, str]] = set()
+
+
+def _warn_unmatched_layout_keys(model: Any, distribution: Any) -> None:
+    """Warn once (process 0) for each LayoutMap key that matches no variable
+    and no layer output of the built `model`: it silently does nothing."""
+    if (
+        not isinstance(distribution, ModelParallel)
+        or not model.variables
+        or get_adapter().process_id() != 0
+    ):
+        return
+    paths = [variable.path for variable in model.variables]
+    paths += [f"{layer.path}/output" for layer in layers_of(model) if layer.path]
+    for key in distribution.unmatched_keys(paths):
+        if (id(distribution), key) in _warned_keys:
+            continue
+        _warned_keys.add((id(distribution), key))
+        warnings.warn(
+            f"LayoutMap key {key!r} matches no variable of model {model.name!r} "
+            "and no layer output, so its layout is used nowhere. Variable paths "
+            f"look like {paths[0]!r}; check the key for typos.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def active_run(model: Any) -> DistributedRun | None:
+    """The run active for `model`, if any (a stale one does not count)."""
+    run = _active_runs.get(id(model))
+    return None if run is None or run.stale else run
+
+
+@contextlib.contextmanager
+def _runs_end_with_their_call(model: Any) -> Iterator[None]:
+    """A run started during a Keras call on `model` (by a `DistributeCallback`)
+    ends with that call, also when it raises: Keras calls no callback then,
+    and the run's patches, global distribution and steps would stay behind
+    for the next call of this model or any other."""
+    for stale in [run for run in _active_runs.values() if run.stale]:
+        stale.stop()
+    before = _active_runs.get(id(model))
+    token = object()
+    _calls_in_progress.append(token)
+    try:
+        yield
+    finally:
+        _calls_in_progress.remove(token)
+        run = _active_runs.get(id(model))
+        if run is not None and run is not before:
+            run.stop()
+
+
+# What importing keras_dist patches in Keras (listed in `keras_compat`).
+keras_compat.patch_keras(around_model_calls=_runs_end_with_their_call)

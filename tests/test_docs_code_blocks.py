@@ -1,0 +1,305 @@
+"""Every Python code block of the docs runs, or says why it cannot.
+
+Each ```python block of `docs/**/*.md` and `README.md` runs as a standalone
+script in a subprocess, in this suite's environment (the run's `KERAS_BACKEND`
+and `KERAS_DIST_CPU_DEVICES`: 8 simulated devices on JAX and TensorFlow, one
+process and one device on PyTorch), from an empty temporary directory, with a
+timeout; it must exit with status 0. One test per block, so xdist spreads them.
+
+HTML comments on the lines right before a block (blank lines between them
+allowed; they do not show on the rendered page) say how to run it:
+
+- `<!-- not-run: <reason> -->`: the block is not run, for the reason given (it
+  needs a cluster, several hosts or processes, a GPU, downloaded weights...).
+  The reason must not be empty.
+- `<!-- backends: jax tensorflow -->`: run the block only under these backends
+  (for instance a (2, 4) mesh needs the 8 simulated devices, which PyTorch's
+  one process does not have). The page should say why, in words.
+- `<!-- run-with: snippets/data_and_model.py -->`: run that file (a path
+  relative to `docs/`) first, in the same script. It defines what the block
+  takes as given (`x`, `y`, `build_model()`), small enough for seconds on CPU.
+
+A marker that is not followed by a Python block, or that names an unknown
+backend or a missing file, fails the collection test. A block repeated word for
+word in several places runs once.
+
+`docs/api.md` documents every name of `keras_dist.__all__`, the architecture
+page's pictures are what `docs/images/architecture.py` draws, and
+`mkdocs build --strict` must build the site (under JAX only: the build does
+not depend on the backend; skipped, saying so, where the `docs` extra is not
+installed).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import os
+import pathlib
+import re
+import runpy
+import subprocess
+import sys
+
+import keras
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+BACKENDS = ("jax", "tensorflow", "torch")
+BLOCK_TIMEOUT_S = 240  # a block takes seconds; the margin is for a busy machine
+
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^\s`]*)")
+MARKER = re.compile(
+    r"^\s*<!--\s*(?P<key>not-run|backends|run-with)\b:?(?P<value>.*?)-->\s*$"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    path: pathlib.Path
+    line: int  # of the opening fence, 1-based
+    language: str
+    code: str
+    markers: dict[str, str]
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(REPO)}:{self.line}"
+
+
+def _documents() -> list[pathlib.Path]:
+    return [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def _blocks(path: pathlib.Path) -> list[Block]:
+    """The fenced code blocks of a Markdown file, with the markers before each."""
+    lines = path.read_text().splitlines()
+    blocks = []
+    number = 0
+    while number < len(lines):
+        opening = FENCE.match(lines[number])
+        if opening is None:
+            number += 1
+            continue
+        indent, fence = opening["indent"], opening["fence"]
+        closing = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}\s*$")
+        end = number + 1
+        while end < len(lines) and not closing.match(lines[end]):
+            end += 1
+        body = [
+            line[len(indent) :] if line.startswith(indent) else line.lstrip()
+            for line in lines[number + 1 : end]
+        ]
+        blocks.append(
+            Block(
+                path=path,
+                line=number + 1,
+                language=opening["info"].lower(),
+                code="\n".join(body) + "\n",
+                markers=_markers_before(lines, number),
+            )
+        )
+        number = end + 1
+    return blocks
+
+
+def _markers_before(lines: list[str], fence_index: int) -> dict[str, str]:
+    markers: dict[str, str] = {}
+    index = fence_index - 1
+    while index >= 0:
+        line = lines[index]
+        if not line.strip():
+            index -= 1
+            continue
+        match = MARKER.match(line)
+        if match is None:
+            break
+        markers[match["key"]] = match["value"].strip()
+        index -= 1
+    return markers
+
+
+def _python_blocks() -> list[Block]:
+    return [
+        block
+        for path in _documents()
+        for block in _blocks(path)
+        if block.language in ("python", "py")
+    ]
+
+
+PYTHON_BLOCKS = _python_blocks()
+
+
+def test_docs_have_python_blocks_and_every_marker_is_well_formed():
+    assert any(block.path == REPO / "README.md" for block in PYTHON_BLOCKS)
+    assert len(PYTHON_BLOCKS) >= 10, [block.name for block in PYTHON_BLOCKS]
+    problems = []
+    for block in PYTHON_BLOCKS:
+        markers = block.markers
+        if "not-run" in markers and not markers["not-run"]:
+            problems.append(f"{block.name}: `not-run` gives no reason")
+        if "not-run" in markers and len(markers) > 1:
+            problems.append(f"{block.name}: `not-run` with other markers")
+        if "backends" in markers:
+            names = markers["backends"].split()
+            if not names or set(names) - set(BACKENDS):
+                problems.append(
+                    f"{block.name}: `backends` must name some of {BACKENDS}. "
+                    f"Received: {markers['backends']!r}"
+                )
+        if "run-with" in markers and not (DOCS / markers["run-with"]).is_file():
+            problems.append(
+                f"{block.name}: `run-with` file docs/{markers['run-with']} "
+                "does not exist"
+            )
+    # Every marker in the docs belongs to the Python block right after it.
+    attached = sum(len(block.markers) for block in PYTHON_BLOCKS)
+    written = sum(
+        1
+        for path in _documents()
+        for line in path.read_text().splitlines()
+        if MARKER.match(line)
+    )
+    if written != attached:
+        problems.append(
+            f"{written - attached} marker(s) are not right before a Python block "
+            "(only blank lines and other markers may stand between them)"
+        )
+    assert problems == []
+
+
+def _run_block(block: Block, directory: pathlib.Path) -> subprocess.CompletedProcess:
+    source = block.code
+    if "run-with" in block.markers:
+        setup = (DOCS / block.markers["run-with"]).read_text()
+        source = f"{setup}\n# --- {block.name} ---\n{block.code}"
+    script = directory / "block.py"
+    script.write_text(source)
+    environment = dict(os.environ)
+    environment.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    environment["MPLBACKEND"] = "Agg"
+    environment["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO), environment.get("PYTHONPATH")])
+    )
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=directory,
+        env=environment,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT_S,
+    )
+
+
+def _blocks_to_run() -> list[Block]:
+    """The blocks without `not-run`; a block repeated word for word (the
+    README's example is also the home page's) runs once."""
+    unique: dict[tuple, Block] = {}
+    for block in PYTHON_BLOCKS:
+        if "not-run" not in block.markers:
+            key = (
+                block.code,
+                block.markers.get("run-with"),
+                block.markers.get("backends"),
+            )
+            unique.setdefault(key, block)
+    return list(unique.values())
+
+
+@pytest.mark.parametrize("block", _blocks_to_run(), ids=lambda block: block.name)
+def test_docs_code_block_runs(block: Block, tmp_path: pathlib.Path):
+    backend = keras.backend.backend()
+    wanted = block.markers.get("backends", " ".join(BACKENDS)).split()
+    if backend not in wanted:
+        pytest.skip(f"{block.name} runs on {wanted}; this run is {backend}")
+    result = _run_block(block, tmp_path)
+    assert result.returncode == 0, (
+        f"{block.name} exited with status {result.returncode} on {backend}.\n"
+        f"--- stdout (tail) ---\n{result.stdout[-3000:]}\n"
+        f"--- stderr (tail) ---\n{result.stderr[-6000:]}"
+    )
+
+
+def _public_names() -> list[str]:
+    """`keras_dist.__all__`, read from the source (no import)."""
+    tree = ast.parse((REPO / "keras_dist" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "__all__"
+            for target in node.targets
+        ):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError("keras_dist/__init__.py defines no __all__")
+
+
+def test_api_reference_documents_every_public_name():
+    documented = re.findall(
+        r"^::: (keras_dist[\w.]*)", (DOCS / "api.md").read_text(), re.M
+    )
+    # `keras_dist.NAME`, or NAME at the module that defines it (the function
+    # `distribution` shares its name with the subpackage `keras_dist.distribution`).
+    missing = [
+        name
+        for name in _public_names()
+        if f"keras_dist.{name}" not in documented
+        and not any(
+            path.endswith(f".{name}") and path.count(".") > 1 for path in documented
+        )
+    ]
+    assert missing == []
+    assert "keras_dist.callbacks.Throughput" in documented
+
+
+def test_architecture_pictures_are_what_their_script_draws():
+    script = runpy.run_path(str(DOCS / "images" / "architecture.py"))
+    images = DOCS / "images"
+    assert (images / "layers.svg").read_text() == script["layers"](), (
+        "run python docs/images/architecture.py"
+    )
+    assert (images / "fit-path.svg").read_text() == script["fit_path"](), (
+        "run python docs/images/architecture.py"
+    )
+
+
+def _docs_packages_missing() -> list[str]:
+    wanted = {
+        "mkdocs": "mkdocs",
+        "material": "mkdocs-material",
+        "mkdocstrings_handlers.python": "mkdocstrings-python",
+    }
+    missing = []
+    for module, package in wanted.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            missing.append(package)
+    return missing
+
+
+@pytest.mark.backend("jax")
+def test_mkdocs_build_strict(tmp_path: pathlib.Path):
+    missing = _docs_packages_missing()
+    if missing:
+        pytest.skip(
+            f"the docs extra is not installed ({', '.join(missing)} missing): "
+            'pip install -e ".[docs]"'
+        )
+    environment = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path)],
+        cwd=REPO,
+        env=environment,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert (tmp_path / "architecture" / "index.html").is_file()
+    assert (tmp_path / "api" / "index.html").is_file()
