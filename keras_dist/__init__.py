@@ -114,10 +114,16 @@ def _load_api() -> None:
         return
     _api["loading"] = True
     try:
-        for name, module_name in _PUBLIC.items():
-            globals()[name] = getattr(importlib.import_module(module_name), name)
-        for name in _SUBMODULES:
-            globals()[name] = importlib.import_module(f"keras_dist.{name}")
+        # All or nothing: a name is bound only once every module loaded.
+        names = {
+            name: getattr(importlib.import_module(module_name), name)
+            for name, module_name in _PUBLIC.items()
+        }
+        names.update(
+            (name, importlib.import_module(f"keras_dist.{name}"))
+            for name in _SUBMODULES
+        )
+        globals().update(names)
         _api["loaded"] = True
     finally:
         _api["loading"] = False

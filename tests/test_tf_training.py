@@ -67,12 +67,10 @@ def test_callback_matches_single_device_for_a_model_built_outside_the_scope(
 def unpatched_keras(monkeypatch):
     """Keras' own `_maybe_symbolic_build`, as in a process where no keras_dist
     call has run yet (the first activation installs the workaround)."""
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
     from keras_dist.backends.tensorflow import keras_internals as tf_keras_internals
 
     monkeypatch.setattr(
-        tf_trainer.TensorFlowTrainer,
+        tf_keras_internals.TensorFlowTrainer,
         "_maybe_symbolic_build",
         tf_keras_internals.KERAS_MAYBE_SYMBOLIC_BUILD,
     )

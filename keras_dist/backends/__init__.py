@@ -9,6 +9,7 @@ import keras
 
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.common import job
+from keras_dist.keras_compat import versions
 
 _ADAPTER_MODULES = {
     "jax": "keras_dist.backends.jax.adapter",
@@ -28,7 +29,17 @@ def get_adapter() -> BackendAdapter:
             f"{sorted(_ADAPTER_MODULES)}. Received: backend={backend_name!r}. "
             "Set KERAS_BACKEND to one of them."
         )
-    adapter = importlib.import_module(module_name).ADAPTER
+    try:
+        adapter = importlib.import_module(module_name).ADAPTER
+    except ImportError as error:
+        if isinstance(error, versions.UnsupportedKerasError) or not (
+            error.name or ""
+        ).startswith("keras."):
+            raise
+        # A Keras that moved what this adapter imports: one clear error.
+        raise versions.unsupported(
+            f"it has no {error.name} (the {backend_name} adapter needs it)"
+        ) from error
     # Every layer asks the job's facts for this process' rank (`warn_once`).
     job.set_rank_source(adapter.process_id)
     return adapter

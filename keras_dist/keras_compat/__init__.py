@@ -4,7 +4,10 @@ keras_dist reaches into Keras only here (and in each backend's
 `backends/<name>/keras_internals.py`, for that backend's trainer). Each module
 has a `check()` that names what it relies on and no longer finds; `check()`
 below runs them all, and `tests/test_keras_internals.py` fails loudly when a
-Keras release moves one.
+Keras release moves one. Where Keras releases differ (3.15 and 3.16), the
+module for that concern detects what the installed Keras has (`backend`: the
+moved op modules and renamed trainer classes); `versions` refuses a Keras
+older than the supported range with one clear error.
 
 What importing keras_dist patches (`patch_keras`, called once by
 `keras_dist/__init__.py`):
@@ -37,21 +40,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from keras_dist.keras_compat import (
-    batch_norm,
-    callbacks,
-    data_adapters,
-    distribution,
-    epoch_iterator,
-    layers,
-    metrics,
-    model_calls,
-    optimizers,
-    saving,
-    variables,
-)
+from keras_dist.keras_compat import versions
+
+# A Keras older than the supported range, or one that moved what these modules
+# import, is one clear error here (not a raw ImportError from inside them).
+versions.require_supported_keras()
+try:
+    from keras_dist.keras_compat import (
+        backend,
+        batch_norm,
+        callbacks,
+        data_adapters,
+        distribution,
+        epoch_iterator,
+        layers,
+        metrics,
+        model_calls,
+        optimizers,
+        saving,
+        variables,
+    )
+except ImportError as error:
+    raise versions.unsupported(f"it has no {error.name or error}") from error
 
 _PROBED_MODULES = (
+    backend,
     distribution,
     model_calls,
     layers,

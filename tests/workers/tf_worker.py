@@ -88,13 +88,11 @@ def keras_20585() -> dict:
         return None
 
     errors["keras"] = fit()
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
     from keras_dist.backends.tensorflow import keras_internals as tf_keras_internals
 
     # Only the symbolic-build fix: the next bug shows.
-    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = (
-        tf_keras_internals._maybe_symbolic_build
+    tf_keras_internals.TensorFlowTrainer._maybe_symbolic_build = (
+        tf_keras_internals.maybe_symbolic_build
     )
     errors["build_fixed"] = fit()
     tf_keras_internals.install_multi_worker_fixes()

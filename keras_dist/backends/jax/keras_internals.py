@@ -14,9 +14,7 @@ import keras
 import numpy as np
 from keras import ops
 from keras.src import backend as keras_backend
-from keras.src.backend.jax import core as jax_core
 from keras.src.backend.jax import distribution_lib as jax_distribution_lib
-from keras.src.backend.jax import trainer as jax_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dist.common.batch_norm import GlobalBatchNorm
@@ -29,6 +27,7 @@ from keras_dist.common.step_rows import (
     overridden,
     step_rows,
 )
+from keras_dist.keras_compat import backend as keras_backends
 from keras_dist.keras_compat.metrics import update_compiled_metrics
 from keras_dist.keras_compat.steps import (
     install_cached_steps,
@@ -36,18 +35,19 @@ from keras_dist.keras_compat.steps import (
     uses_keras_compute_metrics,
 )
 
-_original_get_iterator = jax_trainer.JAXEpochIterator._get_iterator
+# Wherever this Keras keeps them (`keras_compat.backend`).
+JaxVariable = keras_backends.variable_class("jax")
+JAXTrainer = keras_backends.trainer_class("jax")
+JAXEpochIterator = keras_backends.epoch_iterator_class("jax")
+_original_get_iterator = JAXEpochIterator._get_iterator
 _batch_source: list[Callable[[Iterator[Any]], Iterator[Any]]] = []
 
 
 def check() -> list[str]:
     """Names of the internals that this Keras release no longer has."""
     missing = []
-    if not hasattr(jax_trainer, "JAXEpochIterator"):
-        missing.append("keras.src.backend.jax.trainer.JAXEpochIterator")
-    else:
-        if not hasattr(jax_trainer.JAXEpochIterator, "_get_iterator"):
-            missing.append("JAXEpochIterator._get_iterator")
+    if not hasattr(JAXEpochIterator, "_get_iterator"):
+        missing.append("JAXEpochIterator._get_iterator")
     for name in (
         "compute_loss_and_updates",
         "make_train_function",
@@ -57,23 +57,20 @@ def check() -> list[str]:
         "test_step",
         "predict_step",
     ):
-        if not hasattr(jax_trainer.JAXTrainer, name):
+        if not hasattr(JAXTrainer, name):
             missing.append(f"JAXTrainer.{name}")
     for name in ("_direct_assign", "_layout"):
         variable = keras.Variable(0.0)
         if not hasattr(variable, name):
             missing.append(f"Variable.{name}")
-    if not hasattr(jax_core, "JaxVariable") or not issubclass(
-        keras.Variable, jax_core.JaxVariable
-    ):
-        missing.append("keras.src.backend.jax.core.JaxVariable")
-    elif not hasattr(jax_core.JaxVariable, "__array__"):
+    if not hasattr(JaxVariable, "__array__"):
         missing.append("JaxVariable.__array__")
-    elif type(keras.Variable(0.0)).assign is not jax_core.JaxVariable.assign:
+    elif type(keras.Variable(0.0)).assign is not JaxVariable.assign:
         # `assign_host_values_through` replaces JaxVariable's `assign`.
         missing.append("JaxVariable.assign (keras.Variable overrides it)")
     if not callable(getattr(jax_distribution_lib, "distribute_tensor", None)):
         missing.append("keras.src.backend.jax.distribution_lib.distribute_tensor")
+    jax_core = keras_backends.ops_module("jax")
     if getattr(jax_core, "distribution_lib", None) is not jax_distribution_lib:
         # `JaxVariable._direct_assign` reaches `distribute_tensor` through it.
         missing.append("keras.src.backend.jax.core.distribution_lib")
@@ -111,7 +108,7 @@ def install_batch_routing() -> None:
 
     Keras' own distributions keep Keras' own behaviour.
     """
-    jax_trainer.JAXEpochIterator._get_iterator = _patched_get_iterator
+    JAXEpochIterator._get_iterator = _patched_get_iterator
 
 
 def route_batches(source: Callable[[Iterator[Any]], Iterator[Any]]) -> None:
@@ -136,7 +133,7 @@ def relayout_variable(variable: Any, layout: Any) -> None:
     variable._direct_assign(variable.value)
 
 
-_original_variable_array = jax_core.JaxVariable.__array__
+_original_variable_array = JaxVariable.__array__
 
 
 def read_variables_through(gather: Callable[[Any], Any]) -> None:
@@ -152,7 +149,7 @@ def read_variables_through(gather: Callable[[Any], Any]) -> None:
         return np.asarray(gathered, dtype=dtype)
 
     __array__._keras_dist_gathers = True  # type: ignore[attr-defined]
-    jax_core.JaxVariable.__array__ = __array__
+    JaxVariable.__array__ = __array__
 
 
 def place_tensors_through(prepare: Callable[[Any, Any], Any]) -> None:
@@ -174,7 +171,7 @@ def place_tensors_through(prepare: Callable[[Any, Any], Any]) -> None:
     jax_distribution_lib.distribute_tensor = distribute_tensor
 
 
-_original_variable_assign = jax_core.JaxVariable.assign
+_original_variable_assign = JaxVariable.assign
 
 
 def assign_host_values_through(place: Callable[[Any, Any, Any], Any]) -> None:
@@ -187,7 +184,7 @@ def assign_host_values_through(place: Callable[[Any, Any, Any], Any]) -> None:
     copy on one device first (keras#21712); `place` can build the laid-out
     array from the host value directly, each device getting only its part."""
     original = getattr(
-        jax_core.JaxVariable.assign, "_keras_dist_original", _original_variable_assign
+        JaxVariable.assign, "_keras_dist_original", _original_variable_assign
     )
 
     def assign(self: Any, value: Any) -> Any:
@@ -199,7 +196,7 @@ def assign_host_values_through(place: Callable[[Any, Any, Any], Any]) -> None:
         return original(self, value)
 
     assign._keras_dist_original = original  # type: ignore[attr-defined]
-    jax_core.JaxVariable.assign = assign
+    JaxVariable.assign = assign
 
 
 # -- step functions that honour a padding mask ---------------------------------
@@ -312,7 +309,7 @@ def user_steps(model: Any) -> set[str]:
     """The step methods `model`'s class overrides: its own code, which keras_dist
     runs as written (an uneven batch is laid out whole rather than padded)."""
     names = (*STEP_METHODS, "compute_loss_and_updates")
-    return set(overridden(model, jax_trainer.JAXTrainer, names))
+    return set(overridden(model, JAXTrainer, names))
 
 
 def _user_step(model: Any, step: Callable, state: Any, batch: MaskedBatch) -> Any:

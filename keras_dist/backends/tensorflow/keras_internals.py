@@ -24,14 +24,18 @@ from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 from tensorflow.python.checkpoint import async_checkpoint_helper
 from tensorflow.python.eager import context as tf_context
 
+from keras_dist.keras_compat import backend as keras_backends
 from keras_dist.keras_compat.epoch_iterator import EpochRouting
 
 _original_reduce_per_replica = tf_trainer.reduce_per_replica
 
 # Keras' own, for tests that start from a process keras_dist has not patched.
-KERAS_MAYBE_SYMBOLIC_BUILD = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+# Wherever this Keras keeps them (`keras_compat.backend`).
+TensorFlowTrainer = keras_backends.trainer_class("tensorflow")
+TFEpochIterator = keras_backends.epoch_iterator_class("tensorflow")
+KERAS_MAYBE_SYMBOLIC_BUILD = TensorFlowTrainer._maybe_symbolic_build
 
-_epochs = EpochRouting(tf_trainer.TFEpochIterator)
+_epochs = EpochRouting(TFEpochIterator)
 
 # Strategies whose step outputs keras_dist already made global (metrics) or
 # trimmed to real rows (predictions).
@@ -41,14 +45,12 @@ _managed_strategies: list[Any] = []
 def check() -> list[str]:
     """Names of the internals that this Keras release no longer has."""
     missing = []
-    if not hasattr(tf_trainer, "TFEpochIterator"):
-        missing.append("keras.src.backend.tensorflow.trainer.TFEpochIterator")
-    elif not hasattr(tf_trainer.TFEpochIterator, "_get_iterator"):
+    if not hasattr(TFEpochIterator, "_get_iterator"):
         missing.append("TFEpochIterator._get_iterator")
     if not callable(getattr(tf_trainer, "reduce_per_replica", None)):
         missing.append("keras.src.backend.tensorflow.trainer.reduce_per_replica")
     for name in ("_maybe_symbolic_build", "_symbolic_build", "_compute_loss"):
-        if not hasattr(tf_trainer.TensorFlowTrainer, name):
+        if not hasattr(TensorFlowTrainer, name):
             missing.append(f"TensorFlowTrainer.{name}")
     model = keras.Sequential([keras.layers.Dense(1)])
     model.compile(loss="mse", optimizer="sgd")
@@ -177,7 +179,7 @@ def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
     return _original_reduce_per_replica(values, strategy, reduction)
 
 
-def _maybe_symbolic_build(model: Any, iterator: Any = None, data_batch: Any = None):
+def maybe_symbolic_build(model: Any, iterator: Any = None, data_batch: Any = None):
     """Keras' `_maybe_symbolic_build`, building from one replica's batch.
 
     Keras averages the per-replica batches across replicas to get a batch to
@@ -209,7 +211,7 @@ def _maybe_symbolic_build(model: Any, iterator: Any = None, data_batch: Any = No
 def install_multi_worker_fixes() -> None:
     """Apply the workarounds for Keras 3's multi-worker `fit` (idempotent)."""
     tf_trainer.reduce_per_replica = reduce_per_replica
-    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
 
 
 def manage(strategy: Any) -> Callable[[], None]:

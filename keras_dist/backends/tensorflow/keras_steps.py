@@ -12,7 +12,6 @@ from typing import Any
 import keras
 import tensorflow as tf
 from keras import ops
-from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -26,6 +25,7 @@ from keras_dist.backends.tensorflow.gradients import (
 )
 from keras_dist.backends.tensorflow.input_adapter import DATA, MASK, SCALE
 from keras_dist.backends.tensorflow.keras_internals import (
+    TensorFlowTrainer,
     global_results,
     mirror_variables,
     recreate_in_scope,
@@ -81,8 +81,8 @@ def user_steps(model: Any) -> set[str]:
     (see `custom_steps`): those `model`'s class overrides, and with its own
     `compute_loss` Keras' train and test steps (which call it), as every loss
     term it adds must be left unscaled and its gradient averaged."""
-    steps = set(overridden(model, tf_trainer.TensorFlowTrainer, STEP_METHODS))
-    if overridden(model, tf_trainer.TensorFlowTrainer, ("compute_loss",)):
+    steps = set(overridden(model, TensorFlowTrainer, STEP_METHODS))
+    if overridden(model, TensorFlowTrainer, ("compute_loss",)):
         steps |= {"train_step", "test_step"}
     return steps
 

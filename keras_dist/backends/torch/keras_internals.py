@@ -17,8 +17,6 @@ import keras
 import numpy as np
 import torch
 from keras import ops
-from keras.src.backend.torch import core as torch_core
-from keras.src.backend.torch import trainer as torch_trainer
 from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.trainers.data_adapters import (
     data_adapter_utils,
@@ -38,12 +36,17 @@ from keras_dist.common.step_rows import (
     step_rows,
     warn_padded_once,
 )
+from keras_dist.keras_compat import backend as keras_backends
 from keras_dist.keras_compat.epoch_iterator import EpochRouting
 from keras_dist.keras_compat.layers import layers_of
 from keras_dist.keras_compat.metrics import update_compiled_metrics
 from keras_dist.keras_compat.steps import uses_keras_compute_metrics
 
-_epochs = EpochRouting(torch_trainer.TorchEpochIterator)
+# Wherever this Keras keeps them (`keras_compat.backend`).
+torch_core = keras_backends.ops_module("torch")
+TorchTrainer = keras_backends.trainer_class("torch")
+TorchEpochIterator = keras_backends.epoch_iterator_class("torch")
+_epochs = EpochRouting(TorchEpochIterator)
 
 
 @dataclass
@@ -69,9 +72,7 @@ class Collectives:
 def check() -> list[str]:
     """Names of the internals that this Keras release no longer has."""
     missing = []
-    if not hasattr(torch_trainer, "TorchEpochIterator"):
-        missing.append("keras.src.backend.torch.trainer.TorchEpochIterator")
-    elif not hasattr(torch_trainer.TorchEpochIterator, "_get_iterator"):
+    if not hasattr(TorchEpochIterator, "_get_iterator"):
         missing.append("TorchEpochIterator._get_iterator")
     if not _shuffles_from_torch_generator():
         missing.append(
@@ -86,7 +87,7 @@ def check() -> list[str]:
     elif not hasattr(loader_adapter, "get_torch_dataloader"):
         missing.append("TorchDataLoaderAdapter.get_torch_dataloader")
     for name in ("train_step", "test_step", "predict_step", "_compute_loss"):
-        if not hasattr(torch_trainer.TorchTrainer, name):
+        if not hasattr(TorchTrainer, name):
             missing.append(f"TorchTrainer.{name}")
     model = keras.Sequential([keras.layers.Dense(1)])
     model.compile(loss="mse")
@@ -281,7 +282,7 @@ def _unused_weights_error(model: Any) -> ValueError | None:
 def user_steps(model: Any) -> set[str]:
     """The step methods `model`'s class overrides: its own code, which keras_dist
     runs as written (see `custom_steps`)."""
-    return set(overridden(model, torch_trainer.TorchTrainer, STEP_METHODS))
+    return set(overridden(model, TorchTrainer, STEP_METHODS))
 
 
 def _rows(model: Any, batch: Any, collectives: Collectives, **options: Any) -> StepRows:
