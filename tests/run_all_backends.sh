@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the whole suite once per Keras backend (the backend is fixed per process).
 # Usage: tests/run_all_backends.sh [extra pytest args]
+# KERAS_DIST_TESTS names what to run (default: the whole suite, `tests`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
@@ -13,6 +14,6 @@ for backend in jax tensorflow torch; do
   devices=8
   [ "$backend" = torch ] && devices=""  # torch: one device per process
   KERAS_BACKEND=$backend KERAS_DIST_CPU_DEVICES=$devices TF_CPP_MIN_LOG_LEVEL=2 \
-    "$PYTHON" -m pytest -n "$workers" -q "$@" tests || status=$?
+    "$PYTHON" -m pytest -n "$workers" -q "$@" ${KERAS_DIST_TESTS:-tests} || status=$?
 done
 exit $status
