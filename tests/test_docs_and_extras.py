@@ -114,3 +114,31 @@ def test_cpu_only_tensorflow_belongs_to_the_cpu_set_up():
     readme = (REPO / "README.md").read_text()
     command = readme.split("<!-- test-command -->")[1].split("```")[1]
     assert '-c constraints/cpu.txt -e ".[all-cpu]"' in command
+
+
+def test_the_cpu_torch_command_brings_the_pinned_torch_from_pytorchs_cpu_index():
+    readme = (REPO / "README.md").read_text()
+    command = readme.split("<!-- cpu-torch-command -->")[1].split("```")[1]
+    pinned = [
+        line.strip()
+        for line in (REPO / "constraints" / "cpu.txt").read_text().splitlines()
+        if line.strip().startswith("torch==")
+    ]
+    assert pinned == ["torch==2.13.0"]
+    # The same torch as the pin (its +cpu build satisfies it), from PyTorch's
+    # own CPU wheel index, into the venv the set-up commands use.
+    assert f"pip install {pinned[0]} " in command
+    assert "--index-url https://download.pytorch.org/whl/cpu" in command
+    assert ".venv/bin/pip" in command
+    # The version PyTorch's CPU index serves satisfies the constraint.
+    from packaging.specifiers import SpecifierSet
+
+    assert "2.13.0+cpu" in SpecifierSet(pinned[0].removeprefix("torch"))
+
+
+def test_keras_hub_imports_with_what_the_test_extra_brings():
+    pytest.importorskip("keras_hub")  # installed by the README's test command
+    extras = _extras()
+    assert {"regex", "tokenizers"} <= set(extras["test"])
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "the two it needs to import, `regex` and `tokenizers`" in readme

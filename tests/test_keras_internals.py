@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -158,3 +159,14 @@ def test_plain_keras_keeps_working_when_keras_dist_cannot_load(monkeypatch):
         "[1.0, 1.0]",
         "ModuleNotFoundError keras_dist.planner",
     ]
+
+
+def test_the_supported_range_is_the_one_pyproject_asks_for():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from keras_dist.keras_compat import versions
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    with open(root / "pyproject.toml", "rb") as file:
+        dependencies = tomllib.load(file)["project"]["dependencies"]
+    assert f"keras{versions.SUPPORTED_RANGE}" in dependencies
+    assert versions.keras_version() >= versions.MINIMUM
