@@ -90,14 +90,10 @@ def trainer_class(backend: str) -> type:
         for value in vars(base).values()
         if inspect.isclass(value) and value.__module__ == base.__name__
     )
-    for value in vars(module).values():
-        if (
-            inspect.isclass(value)
-            and value.__module__ == module.__name__
-            and issubclass(value, bases)
-        ):
-            return value
-    raise unsupported(f"its {module.__name__} defines no trainer class")
+    found = _subclass_defined_in(module, bases)
+    if found is None:
+        raise unsupported(f"its {module.__name__} defines no trainer class")
+    return found
 
 
 def epoch_iterator_class(backend: str) -> type:
@@ -110,15 +106,24 @@ def epoch_iterator_class(backend: str) -> type:
     """
     from keras.src.trainers.epoch_iterator import EpochIterator  # noqa: PLC0415
 
-    module = trainer_module(backend)
+    found = _subclass_defined_in(trainer_module(backend), (EpochIterator,))
+    if found is None:
+        raise unsupported(
+            f"its {trainer_module(backend).__name__} defines no EpochIterator"
+        )
+    return found
+
+
+def _subclass_defined_in(module: ModuleType, bases: tuple[type, ...]) -> type | None:
+    """The first class `module` itself defines that subclasses one of `bases`."""
     for value in vars(module).values():
         if (
             inspect.isclass(value)
             and value.__module__ == module.__name__
-            and issubclass(value, EpochIterator)
+            and issubclass(value, bases)
         ):
             return value
-    raise unsupported(f"its {module.__name__} defines no EpochIterator")
+    return None
 
 
 def check() -> list[str]:
