@@ -69,7 +69,7 @@ def main() -> None:
     # instance ... expected type"). `kd_distribution.scope()` enters exactly
     # that strategy's scope; the native model then trains with Keras' own fit.
     strategy = kd.backends.get_adapter().strategy(kd_distribution)
-    assert type(strategy) is tf.distribute.MirroredStrategy
+    assert isinstance(strategy, tf.distribute.MirroredStrategy)
     with strategy.scope():
         native_model = build_model()
 
