@@ -197,9 +197,11 @@ class TorchAdapter(BackendAdapter):
         # collective's own timeout (naming no rank) must not end it first.
         outlast = heartbeat.hang_timeout() + _HANG_REPORT_SECONDS
         if heartbeat.hang_timeout() > 0 and outlast > timeout_seconds:
-            torch_distributed.distributed_c10d._set_pg_timeout(
-                datetime.timedelta(seconds=outlast)
+            # Public from torch 2.14 (the private one warns there).
+            set_timeout = getattr(torch_distributed, "set_timeout", None) or (
+                torch_distributed.distributed_c10d._set_pg_timeout
             )
+            set_timeout(datetime.timedelta(seconds=outlast))
 
     def barrier(self, name: str, *, timeout_seconds: float) -> None:
         if self._world()[0] == 1:
