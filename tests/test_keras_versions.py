@@ -124,6 +124,12 @@ def test_distribute_dataset_refuses_a_dataset_it_cannot_split(process_one_of_two
         distribution.distribute_dataset(rows)  # scalars: not batched
     with pytest.raises(ValueError, match=r"Received: batch size 3"):
         distribution.distribute_dataset(rows.batch(3))
+    unknown = tf.data.Dataset.from_generator(
+        lambda: iter([np.zeros(4, "float32")]),
+        output_signature=tf.TensorSpec((None,), tf.float32),
+    )
+    with pytest.raises(ValueError, match=r"batch size is unknown"):
+        distribution.distribute_dataset(unknown)
     halves = [
         np.asarray(b).tolist()
         for b in distribution.distribute_dataset(
@@ -282,3 +288,25 @@ def test_a_plain_model_under_a_global_policy_is_keras_own_ddp_once(
         assert difference <= 1e-5
         assert result["torch"]["ddp_wrappers"] == (1 if NEWER else 0)
         assert sorted(result["seen"]["train:0"]) == list(range(1, 25))
+
+
+@pytest.mark.backend("torch")
+def test_a_model_built_in_a_model_parallel_scope_trains_as_on_keras_3_15(
+    plain_keras, tmp_path
+):
+    """Built inside a sharding `kd.ModelParallel`'s scope, the variables stay
+    plain (Keras 3.16 would make them DTensors from a layout keras_dist's are
+    not: "'tuple' object has no attribute 'device_mesh'"); the run lays them
+    out (the hidden kernel split along the model axis), outside Keras' DTensor
+    promotion mode, with the metric states global and not summed again."""
+    results = _job("model_parallel_scope", tmp_path)
+    for result in results:
+        assert result["model_parallel"] == {
+            "kernel_built_as": "Parameter",
+            "promotion_mode": False,
+            "kernel_placements": ["R", "S(1)"],
+        }
+        assert result["history"]["rows"] == [scenarios.TRAIN_ROWS] * scenarios.EPOCHS
+        assert result["history"]["val_rows"] == [scenarios.VAL_ROWS] * scenarios.EPOCHS
+        _assert_parity(result, plain_keras)
+        assert result["torch"]["ddp_wrappers"] == 0  # DTensor brings its collectives

@@ -95,25 +95,32 @@ def keras_sums_metrics() -> bool:
 _summed_by_keras_dist: dict[int, int] = {}
 
 
-def _base_metrics_result(model: Any) -> Any:
+def _base_metrics_result() -> Callable[[Any], Any] | None:
+    """Keras' backend-neutral `get_metrics_result` (its base trainer's), which
+    reads this process' metric states only."""
     for cls in _trainer().__mro__[1:]:
         method = cls.__dict__.get("get_metrics_result")
         if method is not None:
-            return method(model)
-    raise AttributeError("no Keras trainer defines get_metrics_result")
+            return method
+    return None
 
 
 def _install_metrics_result() -> None:
     trainer = _trainer()
     keras_own = _own(trainer, "get_metrics_result")
-    if keras_own is None or getattr(keras_own, "_keras_dist_original", None):
+    base = _base_metrics_result()
+    if (
+        keras_own is None
+        or base is None  # `check()` names it
+        or getattr(keras_own, "_keras_dist_original", None)
+    ):
         return
 
     @functools.wraps(keras_own)
     def get_metrics_result(self: Any) -> Any:
         if id(self) in _summed_by_keras_dist:
             # This process' results from its own states: keras_dist sums them.
-            return _base_metrics_result(self)
+            return base(self)
         return keras_own(self)
 
     get_metrics_result._keras_dist_original = keras_own  # type: ignore[attr-defined]
@@ -242,11 +249,8 @@ def check() -> list[str]:
             )
         if "ddp_model" not in vars(keras.Sequential()):
             missing.append("torch Trainer.ddp_model (an instance attribute)")
-    if keras_sums_metrics():
-        try:
-            _base_metrics_result(keras.Sequential())
-        except AttributeError:
-            missing.append("BaseTrainer.get_metrics_result")
+    if keras_sums_metrics() and _base_metrics_result() is None:
+        missing.append("BaseTrainer.get_metrics_result")
     if (
         creates_dtensors_at_init()
         and "_initialize_distributed"

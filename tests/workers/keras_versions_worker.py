@@ -6,7 +6,9 @@ ENTRY is how the distribution reaches `fit`: `callback` (a DistributeCallback),
 `trainer` (`kd.Trainer(distribution=...)`), `trainer_global` (a `kd.Trainer`
 under `kd.set_distribution`: the training data's adapter is built while the
 distribution is global), `plain_global` (PyTorch: a plain model under
-`kd.set_distribution`, which Keras itself drives).
+`kd.set_distribution`, which Keras itself drives), `model_parallel_scope`
+(PyTorch: a model built inside a sharding `kd.ModelParallel`'s scope, then
+trained under it: DTensors).
 """
 
 from __future__ import annotations
@@ -96,6 +98,29 @@ class TorchCounts(keras.callbacks.Callback):
         self._distributed.all_reduce = self._all_reduce
 
 
+class DuringTheRun(keras.callbacks.Callback):
+    """PyTorch DTensor run: whether Keras' DTensor promotion mode is on and
+    how the hidden kernel is held, at the first step."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if hasattr(self, "seen"):
+            return
+        from keras_dist.keras_compat import torch_trainer
+
+        kernel = self.model.get_layer("hidden").kernel.value
+        self.seen = {
+            "promotion_mode": torch_trainer.dtensor_promotion_active(),
+            "kernel_placements": [str(p) for p in getattr(kernel, "placements", ())],
+        }
+
+
+def _model_parallel() -> kd.ModelParallel:
+    mesh = kd.DeviceMesh((1, kd.num_processes()), ["batch", "model"], kd.list_devices())
+    layout_map = kd.LayoutMap(mesh)
+    layout_map["hidden/kernel"] = (None, "model")
+    return kd.ModelParallel(layout_map=layout_map)
+
+
 def main() -> None:
     entry, output = sys.argv[1], pathlib.Path(sys.argv[2])
     distribution = kd.DataParallel()
@@ -111,6 +136,13 @@ def main() -> None:
     elif entry == "plain_global":
         kd.set_distribution(distribution)
         model = scenarios.build()
+    elif entry == "model_parallel_scope":
+        distribution = _model_parallel()
+        with distribution.scope():
+            model = scenarios.build()
+        built = type(model.get_layer("hidden").kernel.value).__name__
+        during = DuringTheRun()
+        callbacks += [during, kd.DistributeCallback(distribution)]
     else:
         raise ValueError(entry)
     counts = None
@@ -127,6 +159,8 @@ def main() -> None:
             "keras_ddp_model": counts.keras_ddp_model,
             "ddp_model_after": type(vars(model).get("ddp_model")).__name__,
         }
+    if entry == "model_parallel_scope":
+        result["model_parallel"] = {**during.seen, "kernel_built_as": built}
     result["process_id"] = kd.process_id()
     output.write_text(json.dumps(result))
 
