@@ -167,15 +167,25 @@ def test_steps_per_execution_on_tensorflow_is_a_clear_error():
 
 
 @pytest.mark.backend("torch")
-def test_steps_per_execution_on_torch_is_keras_own_error_and_leaves_nothing_on():
-    """Keras' PyTorch trainer refuses steps_per_execution > 1 (plain Keras
-    too); the call raises it once the distribution is on, which must not
-    stay on."""
-    with pytest.raises(ValueError, match="must be 1 with the PyTorch backend"):
-        _fit(_model(steps_per_execution=2), [])
+def test_steps_per_execution_on_torch_does_what_plain_keras_does():
+    """As plain Keras of this release: Keras 3.15's PyTorch trainer refuses
+    steps_per_execution > 1, and the call raises that once the distribution
+    is on, which must not stay on; Keras 3.16 runs the steps of an execution
+    in turn, and keras_dist trains as plain Keras does."""
+    reference = _model(steps_per_execution=2)
+    try:
+        reference_history = _fit(reference)
+    except ValueError as error:
+        assert "must be 1 with the PyTorch backend" in str(error)
+        model = _model(steps_per_execution=2)
+        with pytest.raises(ValueError, match="must be 1 with the PyTorch backend"):
+            _fit(model, [kd.DistributeCallback(_distribution())])
+        assert kd.distribution() is None
+        return
     model = _model(steps_per_execution=2)
-    with pytest.raises(ValueError, match="must be 1 with the PyTorch backend"):
-        _fit(model, [kd.DistributeCallback(_distribution())])
+    history = _fit(model, [kd.DistributeCallback(_distribution())])
+    _assert_same_training(model, reference, history, reference_history, 1e-5)
+    assert int(np.asarray(model.optimizer.iterations)) == STEPS
     assert kd.distribution() is None
 
 

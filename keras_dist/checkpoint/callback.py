@@ -23,9 +23,11 @@ from keras_dist.common import job, random_streams
 from keras_dist.faults import heartbeat, lifecycle
 from keras_dist.keras_compat.callbacks import calling_callback_list
 from keras_dist.keras_compat.epoch_iterator import (
+    data_epoch,
     set_initial_epoch,
     start_next_epoch_at,
     watch_new_iterators,
+    watch_next_epoch_data,
 )
 
 # The state of Keras' own callbacks that a resume needs (public attributes).
@@ -211,6 +213,11 @@ class Checkpoint(keras.callbacks.Callback):
         self._epoch = epoch
         self._batches_done = 0
         resume, self._resume = self._resume, None
+        # Keras 3.16 shuffles from the training adapter's epoch counter, which
+        # a resumed `fit` starts again from 0: the saved one is set back.
+        watch_next_epoch_data(
+            None if resume is None else resume["position"].get("data_epoch")
+        )
         if resume is None:
             self._epoch_random_state = _random_state_words()
         else:
@@ -372,6 +379,7 @@ class Checkpoint(keras.callbacks.Callback):
             "random_state_created": self._created_state,
             "random_state": self._epoch_random_state,
             "random_state_now": _random_state_words(),
+            "data_epoch": data_epoch(),
         }
 
     def _save_due_at_epoch_start(self) -> None:
@@ -387,6 +395,8 @@ class Checkpoint(keras.callbacks.Callback):
             # too, which it does not use).
             "random_state_created": _random_state_words(data=True),
             "random_state": None,
+            # The counter the next epoch shuffles from (Keras 3.16; None on 3.15).
+            "data_epoch": data_epoch(),
         }
         self._save(position, logs, force=self._exit_after_epoch)
 

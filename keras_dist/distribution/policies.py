@@ -62,6 +62,11 @@ class Distribution(KerasDistribution):
     #: a run; outside one (Keras building a model from a batch before the run
     #: starts) batches stay host arrays, which a compiled step places itself.
     lays_out_batches_itself = True
+    #: Whether keras_dist lays out the variables that exist when a run starts
+    #: (every backend) and, on PyTorch, every variable: Keras up to 3.15
+    #: ignores a torch variable's layout, and Keras 3.16 would make it a
+    #: DTensor at creation from a layout keras_dist's are not.
+    lays_out_variables_itself = True
 
     def __init__(
         self,
@@ -78,19 +83,34 @@ class Distribution(KerasDistribution):
                 f"{list(device_mesh.axis_names)}. Received: "
                 f"batch_dim_name={batch_dim_name!r}"
             )
-        if not isinstance(auto_shard_dataset, bool):
-            raise TypeError(
-                "`auto_shard_dataset` must be True or False. Received: "
-                f"auto_shard_dataset={auto_shard_dataset!r}"
-            )
         self._batch_dim_name = batch_dim_name
-        self._auto_shard_dataset = auto_shard_dataset
+        self.auto_shard_dataset = auto_shard_dataset
         self._num_processes = runtime.num_processes()
         self._process_id = runtime.process_id()
         # Keras refuses every input but tf.data when this is True, and shards
         # tf.data itself; keras_dist splits every input type between processes
         # as batches reach the devices, so Keras must not.
         self._is_multi_process = False
+
+    @property
+    def auto_shard_dataset(self) -> bool:
+        """Whether keras_dist splits the input between processes.
+
+        Reads False inside Keras' own data adapters: from Keras 3.16 they
+        shard per process by themselves when it is True (by whole batches,
+        unpadded), and keras_dist splits every global batch itself, so Keras
+        must not as well (Keras 3.15's tf.data adapter asks
+        `distribute_dataset`, which then returns the dataset unchanged)."""
+        return self._auto_shard_dataset and not keras_builds_data_adapter()
+
+    @auto_shard_dataset.setter
+    def auto_shard_dataset(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(
+                "`auto_shard_dataset` must be True or False. Received: "
+                f"auto_shard_dataset={value!r}"
+            )
+        self._auto_shard_dataset = value
 
     @property
     def num_model_replicas(self) -> int:
@@ -146,10 +166,12 @@ class Distribution(KerasDistribution):
         `ValueError`, as in Keras; one process, or `auto_shard_dataset=False`,
         returns `dataset` unchanged.
 
-        Inside `fit`, `evaluate` and `predict` (where Keras' data adapter calls
-        it) the dataset is returned unchanged: keras_dist splits every input
-        type between processes itself, as batches reach the devices. So pass
-        `fit` the global dataset, not this method's result.
+        Inside `fit`, `evaluate` and `predict` Keras' data adapters leave the
+        data whole (Keras 3.15's tf.data adapter gets it back unchanged from
+        here, Keras 3.16's adapters read `auto_shard_dataset` as False):
+        keras_dist splits every input type between processes itself, as
+        batches reach the devices. So pass `fit` the global dataset, not this
+        method's result.
 
         Example:
 
@@ -173,7 +195,17 @@ class Distribution(KerasDistribution):
                 "dataset, or set `auto_shard_dataset=False` if each process "
                 f"already reads its own part. Received: {type(dataset).__name__}"
             )
-        return self.distribute_tf_dataset(dataset)
+        from keras_dist.backends.tensorflow import datasets  # noqa: PLC0415
+
+        # As Keras splits it: one shard per model replica, at most one per
+        # process (processes sharing a replica read the same part).
+        replicas, processes = self.num_model_replicas, self._num_processes
+        shard_id = self._process_id
+        if replicas < processes:
+            shard_id = self._process_id // (processes // replicas)
+        return datasets.shard_batches(
+            dataset, num_shards=min(replicas, processes), shard_id=shard_id
+        )
 
     def __repr__(self) -> str:
         return (

@@ -6,8 +6,10 @@ has a `check()` that names what it relies on and no longer finds; `check()`
 below runs them all, and `tests/test_keras_internals.py` fails loudly when a
 Keras release moves one. Where Keras releases differ (3.15 and 3.16), the
 module for that concern detects what the installed Keras has (`backend`: the
-moved op modules and renamed trainer classes); `versions` refuses a Keras
-older than the supported range with one clear error.
+moved op modules and renamed trainer classes; `data_adapters`: who shards and
+how they shuffle; `epoch_iterator`: what one execution reads; `torch_trainer`:
+Keras 3.16's own torch DDP, metric sums and DTensors); `versions` refuses a
+Keras older than the supported range with one clear error.
 
 What importing keras_dist patches (`patch_keras`, called once by
 `keras_dist/__init__.py`):
@@ -15,8 +17,10 @@ What importing keras_dist patches (`patch_keras`, called once by
 - `keras.Model.fit`, `evaluate` and `predict` run inside keras_dist's context
   manager, which ends a distributed run with its call, also when it raises
   (`model_calls.run_model_calls_within`);
-- Keras' `TFDatasetAdapter.__init__` marks that it is running, so that
-  `Distribution.distribute_dataset` knows Keras is its caller
+- the `__init__` of every Keras data adapter marks that it is running, so
+  that keras_dist's policies read `auto_shard_dataset` as False there (Keras
+  3.16's adapters would shard keras_dist's data a second time) and
+  `Distribution.distribute_dataset` knows Keras 3.15 is its caller
   (`data_adapters.mark_keras_data_adapter`).
 
 What keras_dist patches later, and only while it is needed:
@@ -25,14 +29,23 @@ What keras_dist patches later, and only while it is needed:
   (`steps.install_cached_steps`), each BatchNormalization layer's moments
   (`batch_norm.replace_moments`), Keras' metric classes' `update_state`
   (`metrics.install_row_aware_metrics`: unchanged outside keras_dist's
-  steps), the epoch iterator's batch source (`epoch_iterator.EpochRouting`);
+  steps), the epoch iterator's batch source (`epoch_iterator.EpochRouting`),
+  the backend `distribution_lib` Keras relays layer outputs through
+  (`distribution.route_output_layouts`, a proxy); on PyTorch with Keras 3.16
+  also the model's `ddp_model` (`torch_trainer.lend_ddp`), the torch
+  trainer's `get_metrics_result` for that model
+  (`torch_trainer.metrics_summed_by_keras_dist`), and Keras' DTensor dispatch
+  mode is left (`torch_trainer.leave_dtensor_promotion`);
 - when a job of several processes starts: Keras' `save_model` and
   `save_weights`, `BackupAndRestore`, `file_utils.makedirs` and, on processes
   other than 0, the file-writing callbacks (`saving`, `callbacks`);
 - for a `kd.Checkpoint` or `kd.callbacks.Throughput`: the epoch iterator's
   enumeration (`epoch_iterator`);
 - when a backend's adapter loads: that backend's trainer hooks, in
-  `backends/<name>/keras_internals.py`.
+  `backends/<name>/keras_internals.py` (on PyTorch with Keras 3.16, torch
+  variables stay plain at creation under a keras_dist policy:
+  `torch_trainer.keep_variables_plain`; on TensorFlow, each
+  `TFEpochIterator` records the dataset it built).
 """
 
 from __future__ import annotations
@@ -58,6 +71,7 @@ try:
         model_calls,
         optimizers,
         saving,
+        torch_trainer,
         variables,
     )
 except ImportError as error:
@@ -76,6 +90,7 @@ _PROBED_MODULES = (
     callbacks,
     metrics,
     epoch_iterator,
+    torch_trainer,
 )
 
 

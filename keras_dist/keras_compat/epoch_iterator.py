@@ -1,5 +1,5 @@
 """Keras' epoch iterator: whose batches an epoch reads, where it starts, how
-long each read takes."""
+long each read takes, what one execution of a compiled step reads."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
+
+from keras_dist.keras_compat.data_adapters import adapter_epoch, set_adapter_epoch
 
 
 class EpochRouting:
@@ -67,6 +69,41 @@ def start_next_epoch_at(step: int) -> None:
     _resume_at[:] = [int(step)]
 
 
+# The training adapter of the epoch `fit` enumerates next (Keras 3.16 shuffles
+# from its epoch counter): whether to follow it, the counter to give it first.
+_next_epoch_data: dict[str, Any] = {"follow": False, "epoch": None}
+_followed_adapter: list[Any] = []  # a weak reference to it, once enumerated
+
+
+def watch_next_epoch_data(resume_at: int | None = None) -> None:
+    """Follow the data adapter of the epoch `fit` enumerates next (call it
+    from `on_epoch_begin`: the training epoch's, before validation's); with
+    `resume_at`, first set that adapter's epoch counter to it (a value
+    `data_epoch()` gave when a checkpoint was saved)."""
+    _install_epoch_start()
+    _next_epoch_data.update(follow=True, epoch=resume_at)
+
+
+def data_epoch() -> int | None:
+    """The epoch counter the followed adapter shuffles from (Keras 3.16), None
+    when its order comes from the global generators (Keras 3.15)."""
+    adapter = _followed_adapter[0]() if _followed_adapter else None
+    return None if adapter is None else adapter_epoch(adapter)
+
+
+def _follow_epoch_data(data_adapter: Any) -> None:
+    if not _next_epoch_data["follow"]:
+        return
+    resume_at = _next_epoch_data["epoch"]
+    _next_epoch_data.update(follow=False, epoch=None)
+    try:
+        _followed_adapter[:] = [weakref.ref(data_adapter)]
+    except TypeError:  # not weakly referenceable: nothing to follow
+        _followed_adapter[:] = []
+    if resume_at is not None:
+        set_adapter_epoch(data_adapter, resume_at)
+
+
 def _install_epoch_start() -> None:
     global _EpochIterator
     if _EpochIterator is not None:
@@ -78,6 +115,7 @@ def _install_epoch_start() -> None:
     @functools.wraps(original)
     def enumerate_iterator(self: Any) -> Iterator[Any]:
         start = _resume_at.pop() if _resume_at else 0
+        _follow_epoch_data(self.data_adapter)
         return (yield from _enumerate_from(self, start))
 
     enumerate_iterator._keras_original = original
@@ -179,6 +217,73 @@ def _enumerate_from(self: Any, start: int) -> Iterator[Any]:
     self.data_adapter.on_epoch_end()
 
 
+# -- what one execution of a compiled step reads ---------------------------------
+class _Executions:
+    """Keras 3.16's JAX step functions read one item per execution: with
+    `steps_per_execution > 1`, a super-batch stacked along a new first axis,
+    or a `PartialBatchList` of single batches, which it runs one by one as
+    Keras 3.15 ran every execution. keras_dist pads and lays out each batch
+    on its own, so they go in such lists. `single_batches` is the iterator of
+    the batches themselves (what reads their kept rows)."""
+
+    def __init__(self, single_batches: Any, steps: int, group: type):
+        self.single_batches = single_batches
+        self._batches = iter(single_batches)
+        self._steps = steps
+        self._group = group
+
+    def __iter__(self) -> _Executions:
+        return self
+
+    def __next__(self) -> Any:
+        batches = []
+        for batch in self._batches:
+            batches.append(batch)
+            if len(batches) == self._steps:
+                break
+        if not batches:
+            raise StopIteration
+        return self._group(batches)
+
+
+def batches_per_execution(epoch_iterator: Any, batches: Any) -> Any:
+    """`batches` (single batches) as Keras' JAX step functions read them: one
+    by one up to Keras 3.15 and with `steps_per_execution` 1; in lists of up
+    to `steps_per_execution` batches where Keras 3.16 reads one item per
+    execution (its data adapters have `get_jax_iterator(super_batch=)`)."""
+    steps = getattr(epoch_iterator, "steps_per_execution", 1) or 1
+    group = _execution_group()
+    if steps <= 1 or group is None:
+        return batches
+    return _Executions(batches, steps, group)
+
+
+def reads_one_item_per_execution() -> bool:
+    """Whether Keras' JAX step functions read one item per execution with
+    `steps_per_execution > 1` (Keras 3.16), not one batch per step."""
+    return _execution_group() is not None
+
+
+def single_batches(iterator: Any) -> Any:
+    """The iterator of single batches behind `batches_per_execution`."""
+    return getattr(iterator, "single_batches", iterator)
+
+
+@functools.cache
+def _execution_group() -> type | None:
+    """Keras 3.16's list of batches one execution runs one by one, or None
+    where an execution reads its batches one by one itself (Keras 3.15)."""
+    from keras.src.trainers.data_adapters import (  # noqa: PLC0415
+        data_adapter,
+        data_adapter_utils,
+    )
+
+    parameters = inspect.signature(data_adapter.DataAdapter.get_jax_iterator)
+    if "super_batch" not in parameters.parameters:
+        return None
+    return getattr(data_adapter_utils, "PartialBatchList", None)
+
+
 def set_initial_epoch(model: Any, epoch: int | None) -> None:
     """The epoch the `fit` now starting begins at (read right after
     `on_train_begin`), as Keras' `BackupAndRestore` sets it; None: the
@@ -206,4 +311,13 @@ def check() -> list[str]:
     trainer_source = inspect.getsource(type(keras.Model()).fit)
     if "self._initial_epoch or initial_epoch" not in trainer_source:
         missing.append("fit reads model._initial_epoch after on_train_begin")
+    from keras.src.trainers.data_adapters import data_adapter  # noqa: PLC0415
+
+    super_batches = (
+        "super_batch"
+        in inspect.signature(data_adapter.DataAdapter.get_jax_iterator).parameters
+    )
+    if super_batches and _execution_group() is None:
+        # Keras 3.16 reads one item per execution: keras_dist hands it lists.
+        missing.append("data_adapter_utils.PartialBatchList (steps_per_execution)")
     return missing

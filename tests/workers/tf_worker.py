@@ -27,6 +27,24 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import scenarios  # noqa: E402
 
 
+def keras_reshuffles() -> bool:
+    """Whether plain Keras on one device draws another order of shuffled
+    arrays in its second epoch: it iterates the dataset its epoch iterator
+    built once (Keras 3.15: yes; Keras 3.16 fixes the order when it builds the
+    dataset, from the adapter's epoch counter: no)."""
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    ids = np.arange(37, dtype="float32")[:, None]
+    data = get_data_adapter(ids, np.zeros((37,)), batch_size=8, shuffle=True)
+    dataset = data.get_tf_dataset()
+    orders = []
+    for _ in range(2):
+        data.on_epoch_begin()
+        orders.append([float(v) for x, _ in dataset for v in x.numpy()[:, 0]])
+        data.on_epoch_end()
+    return orders[0] != orders[1]
+
+
 def seen_ids() -> list[list[float]]:
     """The sample ids this process' replicas got, per epoch, shuffled arrays."""
     from keras.src.trainers.data_adapters import get_data_adapter
@@ -42,6 +60,7 @@ def seen_ids() -> list[list[float]]:
     stream = adapter.shuffle_stream(strategy)
     epochs = []
     for _ in range(2):
+        data.on_epoch_begin()
         seen: list[float] = []
         batches = inputs.distributed_batches(
             strategy,
@@ -53,6 +72,7 @@ def seen_ids() -> list[list[float]]:
             for piece in strategy.experimental_local_results(element):
                 rows = piece[inputs.DATA][0].numpy()[:, 0]
                 seen.extend(float(r) for r in rows[piece[inputs.MASK].numpy() > 0])
+        data.on_epoch_end()
         epochs.append(seen)
     return epochs
 
@@ -109,7 +129,7 @@ def main() -> None:
             batch_norm=True, sample_weights=True, shuffle=False, verbose=2
         )
     elif SCENARIO == "ids":
-        result = {"ids": seen_ids()}
+        result = {"ids": seen_ids(), "keras_reshuffles": keras_reshuffles()}
     elif SCENARIO == "keras_20585":
         result = keras_20585()
     elif SCENARIO == "different_data":

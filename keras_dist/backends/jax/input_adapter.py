@@ -24,6 +24,7 @@ from keras_dist.common.padding import (
     pad_rows,
     padded_size,
 )
+from keras_dist.keras_compat.epoch_iterator import single_batches
 
 
 def _process_rows(sharding: Any, global_shape: tuple[int, ...]) -> slice:
@@ -233,6 +234,8 @@ def trim_outputs(outputs: Any, iterator: Any) -> Any:
     each process reads its own data, its own rows).
     """
     kept = []
+    # With steps_per_execution > 1 on Keras 3.16 the batches come in lists.
+    iterator = single_batches(iterator)
     if isinstance(iterator, (DistributedBatches, ProcessLocalBatches)):
         kept = iterator.take_kept_rows()
     index = None

@@ -7,6 +7,7 @@ Nothing here imports jax: the arithmetic goes through `keras.ops`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,6 +29,10 @@ from keras_dist.common.step_rows import (
     step_rows,
 )
 from keras_dist.keras_compat import backend as keras_backends
+from keras_dist.keras_compat.epoch_iterator import (
+    batches_per_execution,
+    reads_one_item_per_execution,
+)
 from keras_dist.keras_compat.metrics import update_compiled_metrics
 from keras_dist.keras_compat.steps import (
     install_cached_steps,
@@ -78,6 +83,13 @@ def check() -> list[str]:
         missing.append("keras.src.backend.StatelessScope")
     if not hasattr(data_adapter_utils, "unpack_x_y_sample_weight"):
         missing.append("data_adapter_utils.unpack_x_y_sample_weight")
+    if reads_one_item_per_execution():
+        # Keras 3.16 reads one item per execution; keras_dist hands it lists
+        # of single batches, which its multi-step function must run in turn.
+        if "PartialBatchList" not in inspect.getsource(
+            keras_backends.trainer_module("jax")
+        ):
+            missing.append("JAX multi-step functions run a PartialBatchList")
     model = keras.Sequential([keras.layers.Dense(1)])
     model.compile(loss="mse")
     if not hasattr(model, "_loss_tracker"):
@@ -94,12 +106,15 @@ def check() -> list[str]:
 # -- input batches -------------------------------------------------------------
 def _patched_get_iterator(epoch_iterator: Any) -> Any:
     if _batch_source:
-        return _batch_source[-1](epoch_iterator.data_adapter.get_jax_iterator())
+        batches = _batch_source[-1](epoch_iterator.data_adapter.get_jax_iterator())
+        return batches_per_execution(epoch_iterator, batches)
     if getattr(keras.distribution.distribution(), "lays_out_batches_itself", False):
         # A keras_dist policy is global but no run is active (Keras pulling a
         # batch to build the model before the run starts, or a plain `fit`):
         # host arrays, which jit places itself, whatever their batch size.
-        return epoch_iterator.data_adapter.get_jax_iterator()
+        return batches_per_execution(
+            epoch_iterator, epoch_iterator.data_adapter.get_jax_iterator()
+        )
     return _original_get_iterator(epoch_iterator)
 
 

@@ -319,17 +319,21 @@ class TensorFlowAdapter(BackendAdapter):
     ) -> Any:
         """The adapter's global batches as a `tf.data.Dataset`.
 
-        In a multi-process job, input that Keras shuffles itself is shuffled
-        from `shuffle_stream` (seeded by process 0), so that every process
-        reads the same batches in the same order.
+        The dataset plain Keras iterates (`keras_tf_dataset`). In a
+        multi-process job, input that Keras 3.15 shuffles from NumPy's global
+        generator is shuffled from `shuffle_stream` (seeded by process 0)
+        instead, so that every process reads the same batches in the same
+        order (Keras 3.16 shuffles from the adapter's epoch counter: the same
+        order everywhere already).
         """
         if (
             shuffle_stream is not None
             and internals.keras_shuffles(data_adapter)
+            and not internals.shuffles_alike_everywhere(data_adapter)
             and not (self._keras_order and internals.shuffles_in_tf(data_adapter))
         ):
             return inputs.numpy_batches_dataset(data_adapter, shuffle_stream)
-        return data_adapter.get_tf_dataset()
+        return internals.keras_tf_dataset(data_adapter)
 
     def _take_process_zero_tf_seed(self, strategy: Any) -> bool:
         """Every process takes process 0's TensorFlow global seed.

@@ -12,6 +12,8 @@ multi-worker bugs (keras-team/keras#20585), each reproduced by a test in
 from __future__ import annotations
 
 import atexit
+import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +27,7 @@ from tensorflow.python.checkpoint import async_checkpoint_helper
 from tensorflow.python.eager import context as tf_context
 
 from keras_dist.keras_compat import backend as keras_backends
+from keras_dist.keras_compat.data_adapters import adapter_epoch
 from keras_dist.keras_compat.epoch_iterator import EpochRouting
 
 _original_reduce_per_replica = tf_trainer.reduce_per_replica
@@ -47,6 +50,16 @@ def check() -> list[str]:
     missing = []
     if not hasattr(TFEpochIterator, "_get_iterator"):
         missing.append("TFEpochIterator._get_iterator")
+    iterator = TFEpochIterator(
+        x=np.zeros((4, 1)),
+        batch_size=2,
+        distribute_strategy=tf.distribute.get_strategy(),
+    )
+    if _keras_tf_datasets.get(iterator.data_adapter, (None,))[0] is not getattr(
+        iterator, "_distributed_dataset", None
+    ):
+        # keras_dist iterates the very dataset Keras built (`keras_tf_dataset`).
+        missing.append("TFEpochIterator._distributed_dataset (built once)")
     if not callable(getattr(tf_trainer, "reduce_per_replica", None)):
         missing.append("keras.src.backend.tensorflow.trainer.reduce_per_replica")
     for name in ("_maybe_symbolic_build", "_symbolic_build", "_compute_loss"):
@@ -118,6 +131,67 @@ def route_batches(source: Callable[[Any], Any]) -> None:
 
 def unroute_batches() -> None:
     _epochs.unroute()
+
+
+# The dataset each adapter's `TFEpochIterator` built, with TensorFlow's
+# global seed at that moment (see `keras_tf_dataset`).
+_keras_tf_datasets: weakref.WeakKeyDictionary[Any, tuple[Any, int | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def keras_tf_dataset(data_adapter: Any) -> Any:
+    """The adapter's global batches as the `tf.data.Dataset` plain Keras
+    iterates: the one its `TFEpochIterator` built (once, every epoch reading
+    it again), else one built now and kept for the adapter's later epochs.
+
+    The order is fixed when the dataset is built: Keras 3.16 shuffles arrays
+    with a stateless seed taken from the adapter's epoch counter then (so
+    plain Keras draws the same order every epoch), Keras 3.15 with op seeds
+    drawn from TensorFlow's global seed then (a Keras-built dataset is kept
+    only while that seed is unchanged, e.g. not after every process took
+    process 0's).
+    """
+    seed = tf_global_seed()
+    try:
+        entry = _keras_tf_datasets.get(data_adapter)
+    except TypeError:  # not weakly referenceable
+        return data_adapter.get_tf_dataset()
+    if entry is not None:
+        dataset, built_with = entry
+        if adapter_epoch(data_adapter) is not None or built_with == seed:
+            return dataset
+    dataset = data_adapter.get_tf_dataset()
+    _keras_tf_datasets[data_adapter] = (dataset, seed)
+    return dataset
+
+
+def _remember_keras_datasets() -> None:
+    """Record the plain dataset each `TFEpochIterator` builds (idempotent);
+    one built under a strategy is distributed already, and not recorded."""
+    original = TFEpochIterator.__init__
+    if getattr(original, "_keras_dist_remembers", False):
+        return
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        dataset = getattr(self, "_distributed_dataset", None)
+        if isinstance(dataset, tf.data.Dataset):
+            with contextlib.suppress(TypeError):
+                _keras_tf_datasets[self.data_adapter] = (dataset, tf_global_seed())
+
+    __init__._keras_dist_remembers = True  # type: ignore[attr-defined]
+    TFEpochIterator.__init__ = __init__
+
+
+_remember_keras_datasets()
+
+
+def shuffles_alike_everywhere(data_adapter: Any) -> bool:
+    """Whether Keras draws this input's order from the adapter's own epoch
+    counter (Keras 3.16's arrays and PyDataset): the same order on every
+    process, whatever their generators hold."""
+    return adapter_epoch(data_adapter) is not None
 
 
 def reads_again(data_adapter: Any) -> bool:

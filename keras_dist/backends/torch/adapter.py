@@ -46,6 +46,8 @@ from keras_dist.common.batch_norm import GlobalBatchNorm
 from keras_dist.common.padding import check_same_input
 from keras_dist.common.random_streams import BackendStream, take_process_zero_streams
 from keras_dist.faults import heartbeat
+from keras_dist.keras_compat import torch_trainer
+from keras_dist.keras_compat.distribution import route_output_layouts
 from keras_dist.keras_compat.steps import install_steps, remove_steps
 
 
@@ -466,6 +468,12 @@ class TorchAdapter(BackendAdapter):
         internals.mark_metric_states(
             list(model.metrics_variables), per_process=world_size > 1 and not dtensors
         )
+        # Keras 3.16's torch trainer distributes by itself once torch.distributed
+        # is initialized; in keras_dist's run keras_dist does it, once: its
+        # own metric sums, and torch ops outside Keras' DTensor dispatch mode
+        # (keras_dist mixes DTensors and plain tensors itself).
+        self._on_deactivate(model, torch_trainer.metrics_summed_by_keras_dist(model))
+        self._on_deactivate(model, torch_trainer.leave_dtensor_promotion())
         if dtensors:
             # Variables become DTensors (process 0's values); every process
             # computes on each whole global batch: one replica, data not split.
@@ -479,6 +487,10 @@ class TorchAdapter(BackendAdapter):
                 self._broadcast_from_process_zero(model)
             collectives = self._collectives(model, user_steps)
             replicas, replica = world_size, rank
+        # One DistributedDataParallel: keras_dist's (or none), lent to Keras so
+        # that it wraps nothing itself.
+        ddp = collectives.forward if collectives.forward is not model else None
+        self._on_deactivate(model, torch_trainer.lend_ddp(model, ddp))
         device = self._device()
 
         def gather_sizes(local: np.ndarray) -> np.ndarray:
@@ -543,7 +555,7 @@ class TorchAdapter(BackendAdapter):
             def relayout(tensor: Any, layout: Any) -> Any:
                 return tensor
 
-        self._on_deactivate(model, internals.route_output_layouts(relayout))
+        self._on_deactivate(model, route_output_layouts(relayout))
         install_steps(model, steps)
         self._on_deactivate(model, lambda: remove_steps(model))
         self._count_real_rows(model)

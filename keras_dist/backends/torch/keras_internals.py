@@ -8,7 +8,6 @@ the collectives and the forward pass (through DistributedDataParallel).
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,6 @@ import keras
 import numpy as np
 import torch
 from keras import ops
-from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.trainers.data_adapters import (
     data_adapter_utils,
     torch_data_loader_adapter,
@@ -37,6 +35,8 @@ from keras_dist.common.step_rows import (
     warn_padded_once,
 )
 from keras_dist.keras_compat import backend as keras_backends
+from keras_dist.keras_compat import torch_trainer
+from keras_dist.keras_compat.data_adapters import shuffles_from_adapter_epoch
 from keras_dist.keras_compat.epoch_iterator import EpochRouting
 from keras_dist.keras_compat.layers import layers_of
 from keras_dist.keras_compat.metrics import update_compiled_metrics
@@ -47,6 +47,11 @@ torch_core = keras_backends.ops_module("torch")
 TorchTrainer = keras_backends.trainer_class("torch")
 TorchEpochIterator = keras_backends.epoch_iterator_class("torch")
 _epochs = EpochRouting(TorchEpochIterator)
+# keras_dist lays out its policies' torch variables when a run starts; Keras
+# 3.16 would make them DTensors at creation from a layout it cannot read.
+torch_trainer.keep_variables_plain(
+    lambda distribution: getattr(distribution, "lays_out_variables_itself", False)
+)
 
 
 @dataclass
@@ -74,9 +79,10 @@ def check() -> list[str]:
     missing = []
     if not hasattr(TorchEpochIterator, "_get_iterator"):
         missing.append("TorchEpochIterator._get_iterator")
-    if not _shuffles_from_torch_generator():
+    if not (_shuffles_from_torch_generator() or _shuffles_from_adapter_epoch()):
         missing.append(
-            "ArrayDataAdapter.get_torch_dataloader shuffles from torch's generator"
+            "ArrayDataAdapter.get_torch_dataloader shuffles from torch's generator "
+            "(<= 3.15) or from the adapter's epoch counter (3.16)"
         )
     loader_adapter = getattr(torch_data_loader_adapter, "TorchDataLoaderAdapter", None)
     if loader_adapter is None:
@@ -115,8 +121,6 @@ def check() -> list[str]:
     mark_metric_states([metric.variables[0]], per_process=True)
     if not metric_state_is_per_process(metric.variables[0]):
         missing.append("an attribute set on a Keras Variable")
-    if not hasattr(keras_distribution_lib, "distribution_lib"):
-        missing.append("keras.src.distribution.distribution_lib.distribution_lib")
     missing += _check_gradient_accumulation()
     built = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     graph = getattr(built, "_functional", None)
@@ -143,18 +147,29 @@ def keras_batches(data_adapter: Any) -> Any:
     return data_adapter.get_torch_dataloader()
 
 
-def _shuffles_from_torch_generator() -> bool:
-    def order(seed: int) -> list[int]:
-        adapter = ArrayDataAdapter(np.arange(32)[:, None], batch_size=32, shuffle=True)
-        torch.manual_seed(seed)
-        (batch,) = iter(keras_batches(adapter))
-        return [int(value) for value in np.asarray(batch[0]).reshape(-1)]
-
+def _loader_order(seed: int, epoch: int = 0) -> list[int]:
+    adapter = ArrayDataAdapter(np.arange(32)[:, None], batch_size=32, shuffle=True)
+    if epoch:
+        adapter._epoch = epoch
     saved = torch.get_rng_state()
     try:
-        return order(0) == order(0) != order(1)
+        torch.manual_seed(seed)
+        (batch,) = iter(keras_batches(adapter))
     finally:
         torch.set_rng_state(saved)
+    return [int(value) for value in np.asarray(batch[0]).reshape(-1)]
+
+
+def _shuffles_from_torch_generator() -> bool:
+    return _loader_order(0) == _loader_order(0) != _loader_order(1)
+
+
+def _shuffles_from_adapter_epoch() -> bool:
+    """Keras 3.16: the DataLoader's own generator is seeded from the adapter's
+    epoch counter, whatever torch's global one holds."""
+    return shuffles_from_adapter_epoch() and (
+        _loader_order(0) == _loader_order(1) != _loader_order(0, epoch=1)
+    )
 
 
 def route_batches(source: Callable[[Any], Any]) -> None:
@@ -599,8 +614,21 @@ def assign_variables_via(place: Callable[[Any, Any], Any]) -> Callable[[], None]
     original = cls.__dict__["_direct_assign"]
     original_convert = cls.__dict__["_convert_to_tensor"]
 
+    # Patched only while a DTensor run is on: DTensor is imported then.
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
     def _direct_assign(self: Any, value: Any) -> None:
-        original(self, place(self.value, value))
+        placed = place(self.value, value)
+        storage = getattr(self, "_value", None)
+        if isinstance(getattr(storage, "data", None), DTensor):
+            # A variable keras_dist made a DTensor for the run, and `placed`
+            # is laid out like it. Keras 3.16 would lay the value out again
+            # from the variable's Keras `_layout`, which such a variable has
+            # not; 3.15 writes through `value`, which a read may replace.
+            with torch.no_grad():
+                storage.copy_(placed)
+            return
+        original(self, placed)
 
     def _convert_to_tensor(self: Any, value: Any, dtype: Any = None) -> Any:
         current = getattr(self, "_value", None)
@@ -644,22 +672,3 @@ def _check_variable_storage() -> list[str]:
     ):
         missing.append("TorchLayer._torch_params / TorchLayer._track_variables")
     return missing
-
-
-def route_output_layouts(distribute: Callable[[Any, Any], Any]) -> Callable[[], None]:
-    """Send Keras' layer-output relayouts to `distribute(tensor, layout)`.
-
-    When the distribution's `LayoutMap` names `"<layer path>/output"`, Keras'
-    `Layer.__call__` relays the output out through its backend's
-    `distribution_lib`, which the torch backend does not have (it is None, and
-    the call fails with an AttributeError). Returns the undo.
-    """
-    saved = keras_distribution_lib.distribution_lib
-    keras_distribution_lib.distribution_lib = types.SimpleNamespace(
-        distribute_tensor=distribute
-    )
-
-    def undo() -> None:
-        keras_distribution_lib.distribution_lib = saved
-
-    return undo
