@@ -34,3 +34,39 @@ def mlp_clean_layout_map(mesh: kd.DeviceMesh) -> kd.LayoutMap:
     layout_map["up/kernel"] = (None, "model")
     layout_map["down/kernel"] = ("model", None)
     return layout_map
+
+
+def unbuilt_mlp() -> keras.Model:
+    """Two Dense(4096) layers and no `keras.Input`: not built (issue 25)."""
+    return keras.Sequential(
+        [keras.layers.Dense(4096, name="wide"), keras.layers.Dense(4096, name="wider")],
+        name="unbuilt",
+    )
+
+
+def llama() -> keras.Model:
+    """A tiny KerasHub Llama backbone (hidden 16, 4 query and 2 key/value
+    heads, 2 layers): its inputs are (batch, sequence) token ids and mask."""
+    import keras_hub  # noqa: PLC0415
+
+    return keras_hub.models.LlamaBackbone(
+        vocabulary_size=64,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
+
+
+def llama_keras_hub_layout(mesh: kd.DeviceMesh) -> kd.LayoutMap:
+    """`kd.layouts.for_keras_hub` on a Llama backbone like `llama()`'s (built
+    here: `for_keras_hub` reads its variables' shapes)."""
+    return kd.layouts.for_keras_hub(llama(), mesh)
+
+
+def llama_own_layout(mesh: kd.DeviceMesh) -> keras.distribution.LayoutMap:
+    """KerasHub's own Llama map, unrepaired (keras-hub#2827)."""
+    import keras_hub  # noqa: PLC0415
+
+    return keras_hub.models.LlamaBackbone.get_layout_map(mesh)
