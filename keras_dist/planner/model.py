@@ -84,9 +84,15 @@ def _built(model: Any, input_shape: Any) -> Any:
     if input_shape is None:
         raise UnbuiltModelError(model)
     shapes = _with_batch(input_shape)
+    failure = None
     try:
         if isinstance(model, keras.Sequential):
             model.build(shapes)
+            # Sequential.build returns quietly, marked built, on a shape it
+            # cannot take (a dict, say).
+            unbuilt = [layer.name for layer in model.layers if not layer.built]
+            if unbuilt:
+                failure = f"its layers {unbuilt} are still not built"
         else:
             # A subclassed model's `build` only marks it built; a symbolic
             # call builds every layer it calls.
@@ -97,6 +103,12 @@ def _built(model: Any, input_shape: Any) -> Any:
             f"(batch dimension added: {shapes!r}) failed: "
             f"{type(error).__name__}: {error}"
         ) from error
+    if failure is not None:
+        raise ValueError(
+            f"Building the model {model.name!r} from input_shape={input_shape!r} "
+            f"(batch dimension added: {shapes!r}) failed: {failure}. A "
+            "Sequential model takes the shape of its one input."
+        )
     return model
 
 
@@ -122,12 +134,17 @@ def check_input_shape(input_shape: Any) -> None:
     else:
         shapes = [None]
     for shape in shapes:
-        if not _is_shape(shape) or any(size is not None and size < 1 for size in shape):
+        if not _is_shape(shape):
             raise TypeError(
                 "`input_shape` must be the shape of one sample without the batch "
-                "dimension (a tuple of positive ints or None, e.g. (1024,)), a "
+                "dimension (a tuple of ints, None for any size, e.g. (1024,)), a "
                 "list of them or a dict of them by input name. Received: "
                 f"input_shape={input_shape!r}"
+            )
+        if any(size is not None and size < 1 for size in shape):
+            raise ValueError(
+                "Every size in `input_shape` must be at least 1 (or None for any "
+                f"size). Received: input_shape={input_shape!r}"
             )
 
 
@@ -144,6 +161,21 @@ def unbuilt_layers(model: Any) -> list[str]:
     return [layer.name for layer in layers_of(model)[1:] if not layer.built]
 
 
+def input_structure(model: Any) -> Any:
+    """The symbolic inputs of a functional model in their structure (a
+    KerasHub backbone's dict), of a Sequential one as one tensor; None for a
+    subclassed model."""
+    for name in ("input", "inputs"):  # a Sequential has `inputs` only
+        try:
+            structure = getattr(model, name)
+        except (AttributeError, ValueError):
+            continue
+        if isinstance(structure, list) and len(structure) == 1:
+            return structure[0]
+        return structure
+    return None
+
+
 def input_specs(model: Any, input_shape: Any, sequence_length: int | None) -> Any:
     """KerasTensors (batch dimension None) in the structure of `model.input`
     for `input_shape` or, with `sequence_length`, the model's own inputs with
@@ -152,9 +184,8 @@ def input_specs(model: Any, input_shape: Any, sequence_length: int | None) -> An
     the model's inputs."""
     if input_shape is None and sequence_length is None:
         return None
-    try:
-        structure = model.input
-    except (AttributeError, ValueError):
+    structure = input_structure(model)
+    if structure is None:
         return None  # subclassed: the caller says there is no estimate
     flat = keras.tree.flatten(structure)
     if sequence_length is not None:

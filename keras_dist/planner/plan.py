@@ -18,6 +18,7 @@ from keras_dist.keras_compat.distribution import KerasDistribution
 from keras_dist.planner.model import (
     check_input_shape,
     input_specs,
+    input_structure,
     made_model,
     output_paths,
     output_tensors,
@@ -536,9 +537,8 @@ class _Planner:
                 "outputs are unknown before it runs."
             )
         given = keras.tree.flatten(specs) if specs is not None else []
-        if given and [t.shape for t in given] != [
-            t.shape for t in keras.tree.flatten(self.model.input)
-        ]:
+        own = keras.tree.flatten(input_structure(self.model))
+        if given and [t.shape for t in given] != [t.shape for t in own]:
             # The graph runs again on the given shapes, each call counted.
             tensors, unknown = given + traced_outputs(self.model, specs), []
         total = 0
