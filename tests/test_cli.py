@@ -165,6 +165,37 @@ def test_plan_errors_say_the_flags(run):
     assert status == 2
     assert "--input-shape takes the shape of one sample" in err
     status, _, err = run(
+        *PLAN,
+        "tests.workers.plan_models:mlp",
+        "--input-shape",
+        "8",
+        "--input-shape",
+        "a=8",
+    )
+    assert status == 2
+    assert "--input-shape takes one SHAPE, or NAME=SHAPE once per input" in err
+    status, _, err = run(
+        "plan", "tests.workers.plan_models:mlp", "--mesh", "2x4", "--axes", "a"
+    )
+    assert status == 2
+    assert "--mesh takes sizes such as 2,4. Received: --mesh '2x4'" in err
+    # NAME=SHAPE for each input of a KerasHub backbone.
+    pytest.importorskip("keras_hub")
+    status, out, err = run(
+        *PLAN,
+        "tests.workers.plan_models:llama",
+        "--batch-size",
+        "2",
+        "--input-shape",
+        "token_ids=8",
+        "--input-shape",
+        "padding_mask=8",
+        "--json",
+    )
+    assert status == 0, err
+    activations = json.loads(out.strip().splitlines()[-1])["devices"][0]["activations"]
+    assert activations == 2 * (2 * 8 * 4) + 4 * (2 * 8 * 16 * 4)
+    status, _, err = run(
         "plan", "tests.workers.plan_models:mlp", "--mesh", "2,4", "--axes", "batch"
     )
     assert status == 2

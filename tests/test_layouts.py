@@ -18,6 +18,15 @@ sys.path.insert(0, str(WORKERS))
 import layout_models  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _warnings_anew(monkeypatch):
+    """`for_keras_hub` warns once per message and process: each test here sees
+    its own warnings, whatever ran before it in this process."""
+    from keras_dist.common import job
+
+    monkeypatch.setattr(job, "_warned", set())
+
+
 def _mesh(batch: int, model: int) -> kd.DeviceMesh:
     return kd.DeviceMesh((batch, model), ["batch", "model"])
 

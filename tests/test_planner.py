@@ -517,6 +517,19 @@ def test_input_shape_and_sequence_length_mistakes_are_named():
     # A model whose inputs have fixed shapes: input_shape must fit them.
     with pytest.raises(ValueError, match=r"does not fit.*\(64,\)"):
         plan(mlp, distribution, input_shape=(32,))
+    # What the model's own code raises on the shape is named.
+    with (
+        warnings.catch_warnings(),  # Keras' own, about the failed build
+        pytest.raises(ValueError, match="Building the model 'two_dense'.*failed"),
+    ):
+        warnings.simplefilter("ignore")
+        plan(_TwoDense, distribution, input_shape={"a": (3,), "b": (4,)})
+    # A graph that cannot run on the given shape: no estimate, and why.
+    inputs = keras.Input((None,))
+    model = keras.Model(inputs, keras.layers.Reshape((4, -1))(inputs))
+    result = plan(model, distribution, input_shape=(15,), batch_size=2)
+    assert result.devices[0].activations is None
+    assert any("on inputs of shapes [(None, 15)] failed" in n for n in result.notes)
 
 
 def test_a_mesh_larger_than_the_machine_is_planned_from_its_shape():

@@ -540,7 +540,14 @@ class _Planner:
         own = keras.tree.flatten(input_structure(self.model))
         if given and [t.shape for t in given] != [t.shape for t in own]:
             # The graph runs again on the given shapes, each call counted.
-            tensors, unknown = given + traced_outputs(self.model, specs), []
+            try:
+                tensors, unknown = given + traced_outputs(self.model, specs), []
+            except Exception as error:  # whatever a layer raises on those shapes
+                return None, (
+                    "No activation estimate: running the model's graph on inputs "
+                    f"of shapes {[tuple(t.shape) for t in given]} failed "
+                    f"({type(error).__name__}: {error})."
+                )
         total = 0
         for tensor in tensors:
             shape = tuple(tensor.shape)[1:]
