@@ -3,9 +3,8 @@ from shapes only, before anything is allocated on a device."""
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +12,6 @@ import keras
 import numpy as np
 
 from keras_dist.backends import get_adapter
-from keras_dist.distribution.mesh import DeviceMesh
 from keras_dist.keras_compat.distribution import KerasDistribution
 from keras_dist.planner.model import (
     check_input_shape,
@@ -26,6 +24,7 @@ from keras_dist.planner.model import (
     unbuilt_layers,
     unique_variables,
 )
+from keras_dist.planner.paper_mesh import check_mesh, distribution_on_mesh
 from keras_dist.planner.result import DeviceTotals, Plan, Problem, VariableRow
 from keras_dist.planner.slots import Slot, optimizer_slots
 from keras_dist.planner.swapped import model_width, swapped_dimensions
@@ -142,7 +141,7 @@ def plan(
     model = made_model(model, input_shape)
     placeholders = False
     if mesh is not None:
-        distribution, placeholders = _on_mesh(distribution, mesh)
+        distribution, placeholders = distribution_on_mesh(distribution, mesh)
     specs = input_specs(model, input_shape, sequence_length)
     slots, slot_note = optimizer_slots(model, optimizer)
     planner = _Planner(model, distribution, on_indivisible, placeholders)
@@ -176,7 +175,7 @@ def _check_arguments(
                 "has its own mesh already. Received: "
                 f"distribution={distribution!r}, mesh={mesh!r}"
             )
-        _check_mesh(mesh)
+        check_mesh(mesh)
     for name, value in (("batch_size", batch_size), ("device_memory", device_memory)):
         if value is None:
             continue
@@ -190,23 +189,6 @@ def _check_arguments(
         raise ValueError(
             f"`on_indivisible` must be one of {ON_INDIVISIBLE}. Received: "
             f"on_indivisible={on_indivisible!r}"
-        )
-
-
-def _check_mesh(mesh: Any) -> None:
-    sizes = list(mesh.values()) if isinstance(mesh, Mapping) else []
-    if (
-        not sizes
-        or not all(isinstance(axis, str) and axis for axis in mesh)
-        or not all(
-            isinstance(size, (int, np.integer)) and not isinstance(size, bool)
-            for size in sizes
-        )
-        or min(sizes) < 1
-    ):
-        raise ValueError(
-            "`mesh` must be a dict of axis names to sizes (positive ints), data "
-            f"axis first, e.g. {{'batch': 2, 'model': 4}}. Received: mesh={mesh!r}"
         )
 
 
@@ -231,35 +213,6 @@ def _check_sequence_length(input_shape: Any, sequence_length: Any) -> None:
             f"says the sequence length already. Received: input_shape="
             f"{input_shape!r}, sequence_length={sequence_length}"
         )
-
-
-def _on_mesh(make: Callable[[Any], Any], sizes: Mapping[str, int]) -> tuple[Any, bool]:
-    """`make(mesh)` on a mesh of `sizes`, on this machine's devices when it
-    has enough, else on placeholder names; and whether they are placeholders."""
-    shape = tuple(int(size) for size in sizes.values())
-    count = math.prod(shape)
-    devices = runtime.list_devices()
-    placeholders = len(devices) < count
-    if placeholders:
-        kind = devices[0].partition(":")[0] if devices else "cpu"
-        devices = [f"{kind}:{index}" for index in range(count)]
-    mesh = DeviceMesh(shape, list(sizes), devices[:count])
-    distribution = make(mesh)
-    if not isinstance(distribution, KerasDistribution):
-        raise TypeError(
-            "The `distribution` function must return a DataParallel, "
-            f"ModelParallel or FSDP. Received: {distribution!r} from "
-            f"distribution={make!r}"
-        )
-    made = distribution.device_mesh
-    if tuple(made.shape) != shape or list(made.axis_names) != list(sizes):
-        raise ValueError(
-            "The `distribution` function must lay the distribution out on the "
-            f"mesh it is given, {dict(sizes)}; it returned one on "
-            f"{dict(zip(made.axis_names, made.shape, strict=True))}. Received: "
-            f"distribution={make!r}"
-        )
-    return distribution, placeholders
 
 
 def _itemsize_bits(dtype: Any) -> int:
