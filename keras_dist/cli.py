@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import re
 import sys
@@ -185,60 +184,169 @@ def _import_function(spec: str, flag: str) -> Any:
     return function
 
 
-def _plan_distribution(arguments: argparse.Namespace) -> Any:
-    import keras_dist  # noqa: PLC0415  (after argument parsing: imports the backend)
+def as_flags(message: str, flags: dict[str, str], *, bare_words: bool = False) -> str:
+    """`message`, from the Python API, with its argument names said as the
+    command's flags: `` `on_indivisible` `` as `` `--on-indivisible` ``,
+    `on_indivisible='replicate'` as `--on-indivisible replicate`,
+    `coordinator=None` as `no --coordinator`, `batch_size= for` as
+    `--batch-size for`; with `bare_words`, also a name alone (`node_rank 0`)
+    when it has an underscore (a word only code says). `flags` maps each
+    argument to its flag."""
+    for name, flag in flags.items():
+        message = message.replace(f"`{name}`", f"`{flag}`")
+        message = re.sub(rf"\b{name}=None\b", f"no {flag}", message)
+        message = re.sub(rf"\b{name}=(?=\s|$)", flag, message)
+        message = re.sub(rf"\b{name}='([^']*)'", rf"{flag} \1", message)
+        message = re.sub(rf'\b{name}="([^"]*)"', rf"{flag} \1", message)
+        message = re.sub(rf"\b{name}=(\S*?)(?=[,;.]?(?:\s|$))", rf"{flag} \1", message)
+        if bare_words and "_" in name:
+            message = re.sub(rf"(?<![-\w`]){name}\b", flag, message)
+    return message
 
+
+#: The `kd.plan` arguments `keras-dist plan` sets, and their flags.
+PLAN_FLAGS = {
+    "on_indivisible": "--on-indivisible",
+    "input_shape": "--input-shape",
+    "sequence_length": "--sequence-length",
+    "batch_size": "--batch-size",
+    "device_memory": "--device-memory",
+    "optimizer": "--optimizer",
+    "min_size": "--min-size",
+    "layout_map": "--layout-map",
+    "mesh": "--mesh/--axes",
+}
+#: The `LaunchConfig` arguments `keras-dist launch` sets, and their flags.
+LAUNCH_FLAGS = {
+    "nproc_per_node": "--nproc-per-node",
+    "nnodes": "--nnodes",
+    "node_rank": "--node-rank",
+    "coordinator": "--coordinator",
+    "max_restarts": "--max-restarts",
+    "hang_timeout": "--hang-timeout",
+    "grace_period_seconds": "--grace-period",
+}
+
+
+def parse_shape(text: str, flag: str) -> tuple[int | None, ...]:
+    """`(32, 32, 3)` from `"32,32,3"`; `None` for `"None"` or `"?"`."""
+    sizes = []
+    for part in text.split(","):
+        part = part.strip()
+        if part in ("None", "none", "?"):
+            sizes.append(None)
+        elif part.isdigit() and int(part) > 0:
+            sizes.append(int(part))
+        else:
+            raise ValueError(
+                f"{flag} takes the shape of one sample without the batch "
+                "dimension, sizes separated by commas (None for any size), e.g. "
+                f"1024 or 32,32,3 or token_ids=128. Received: {flag} {text!r}"
+            )
+    return tuple(sizes)
+
+
+def parse_input_shape(values: list[str] | None) -> Any:
+    """`--input-shape 32,32,3` (one input) or, once per input,
+    `--input-shape NAME=SHAPE`, as `kd.plan`'s `input_shape`."""
+    if not values:
+        return None
+    named = [value.partition("=") for value in values]
+    if len(values) == 1 and not named[0][1]:
+        return parse_shape(values[0], "--input-shape")
+    if not all(separator for _, separator, _ in named):
+        raise ValueError(
+            "--input-shape takes one SHAPE, or NAME=SHAPE once per input of a "
+            f"model with several. Received: {values}"
+        )
+    return {
+        name.strip(): parse_shape(shape, "--input-shape") for name, _, shape in named
+    }
+
+
+def _plan_mesh(arguments: argparse.Namespace) -> dict[str, int]:
     try:
         shape = tuple(int(size) for size in arguments.mesh.split(","))
     except ValueError:
         raise ValueError(
-            f"--mesh takes sizes such as 2,4. Received: {arguments.mesh!r}"
+            f"--mesh takes sizes such as 2,4. Received: --mesh {arguments.mesh!r}"
         ) from None
     axes = arguments.axes.split(",")
-    count = math.prod(shape)
-    devices = keras_dist.list_devices()
-    # The planner never touches devices: a mesh larger than this machine is
-    # planned on placeholder names.
-    names = (
-        devices[:count] if len(devices) >= count else [f"cpu:{i}" for i in range(count)]
-    )
-    mesh = keras_dist.DeviceMesh(shape, axes, names)
-    layout_map = None
-    if arguments.layout_map:
-        layout_map = _import_function(arguments.layout_map, "--layout-map")(mesh)
-    if arguments.fsdp:
-        return keras_dist.FSDP(
-            mesh, axis=axes[0], min_size=arguments.min_size, layout_map=layout_map
+    if len(axes) != len(shape) or len(set(axes)) != len(axes) or not all(axes):
+        raise ValueError(
+            "--axes takes one distinct name per size of --mesh, data axis first, "
+            f"e.g. batch,model. Received: --mesh {arguments.mesh!r} --axes "
+            f"{arguments.axes!r}"
         )
-    if layout_map is not None:
-        return keras_dist.ModelParallel(mesh, layout_map)
-    return keras_dist.DataParallel(mesh)
+    return dict(zip(axes, shape, strict=True))
+
+
+def _plan_distribution(arguments: argparse.Namespace, layout: Any) -> Any:
+    """The function of the mesh that makes the distribution the flags say."""
+    import keras_dist  # noqa: PLC0415  (after argument parsing: imports the backend)
+
+    def make(mesh: Any) -> Any:
+        layout_map = None if layout is None else layout(mesh)
+        if arguments.fsdp:
+            return keras_dist.FSDP(
+                mesh,
+                axis=mesh.axis_names[0],
+                min_size=arguments.min_size,
+                layout_map=layout_map,
+            )
+        if layout_map is not None:
+            return keras_dist.ModelParallel(mesh, layout_map)
+        return keras_dist.DataParallel(mesh)
+
+    return make
 
 
 def _plan(arguments: argparse.Namespace) -> int:
     """`keras-dist plan`: the planner on a model-building function."""
+    from keras_dist.planner.model import UnbuiltModelError  # noqa: PLC0415
     from keras_dist.planner.plan import plan  # noqa: PLC0415
 
     try:
         memory = None
         if arguments.device_memory is not None:
             memory = parse_memory(arguments.device_memory)
+        input_shape = parse_input_shape(arguments.input_shape)
+        mesh = _plan_mesh(arguments)
         model = _import_function(arguments.model, "MODEL")
-        distribution = _plan_distribution(arguments)
+        layout = None
+        if arguments.layout_map:
+            layout = _import_function(arguments.layout_map, "--layout-map")
+        distribution = _plan_distribution(arguments, layout)
     except (ImportError, TypeError, ValueError) as error:
-        arguments.usage_error(str(error))  # exits with code 2, like argparse
+        arguments.usage_error(as_flags(str(error), PLAN_FLAGS))  # exits 2
     try:
         result = plan(
             model,
             distribution,
+            mesh=mesh,
+            input_shape=input_shape,
+            sequence_length=arguments.sequence_length,
             batch_size=arguments.batch_size,
             device_memory=memory,
             on_indivisible=arguments.on_indivisible,
             optimizer=arguments.optimizer,
         )
-    except ValueError as error:
-        print(f"keras-dist plan: {error}", file=sys.stderr)
+    except UnbuiltModelError as error:
+        print(
+            f"keras-dist plan: the model {error.model_name!r} ({error.model_type}) "
+            f"that {arguments.model} returns is not built, so its variables have "
+            "no shapes yet and a plan of it would be empty: pass --input-shape "
+            "with the shape of one sample without the batch dimension (e.g. "
+            "--input-shape 1024, or NAME=SHAPE once per input), or give the "
+            "model a keras.Input. Received: no --input-shape",
+            file=sys.stderr,
+        )
         return 1
+    except (TypeError, ValueError) as error:
+        print(f"keras-dist plan: {as_flags(str(error), PLAN_FLAGS)}", file=sys.stderr)
+        return 1
+    # What the plan says to pass, said as this command's flags.
+    result.notes = [as_flags(note, PLAN_FLAGS) for note in result.notes]
     if arguments.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -273,7 +381,8 @@ def _launch(arguments: argparse.Namespace) -> int:
             grace_period_seconds=arguments.grace_period,
         )
     except (TypeError, ValueError) as error:
-        arguments.usage_error(str(error))  # exits with code 2, like argparse
+        # exits with code 2, like argparse
+        arguments.usage_error(as_flags(str(error), LAUNCH_FLAGS, bare_words=True))
     return Launcher(config).run()
 
 
@@ -303,7 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
             "(keras.StatelessScope), lay it out on a mesh of any size (devices this\n"
             "machine lacks get placeholder names) and print each variable's layout\n"
             "and bytes per device, each device's totals and every problem found.\n"
-            "Exit code 1 when there are problems."
+            "A model that is not built (no keras.Input, never called) is built\n"
+            "from --input-shape, or refused. Exit code 1 when there are problems\n"
+            "or the plan is refused, 2 for wrong flags."
         ),
         epilog=(
             "example: keras-dist plan models:llama --mesh 2,4 --axes batch,model "
@@ -331,6 +442,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--layout-map",
         metavar="MODULE:FUNCTION",
         help="a function of the DeviceMesh returning a LayoutMap (ModelParallel)",
+    )
+    planner.add_argument(
+        "--input-shape",
+        action="append",
+        metavar="SHAPE",
+        help="one sample's shape without the batch dimension, e.g. 1024 or 32,32,3 "
+        "(None: any size): builds a model that is not built and sizes the "
+        "activation estimate; NAME=SHAPE once per input for several inputs",
+    )
+    planner.add_argument(
+        "--sequence-length",
+        type=int,
+        metavar="L",
+        help="the unknown dimension 1 of the inputs (a KerasHub backbone's "
+        "sequence), for the activation estimate",
     )
     planner.add_argument(
         "--batch-size", type=int, metavar="B", help="global batch, for activations"

@@ -28,6 +28,7 @@ from keras_dist.common import job
 from keras_dist.distribution.layout_map import LayoutMap
 from keras_dist.distribution.mesh import TensorLayout
 from keras_dist.keras_compat.layers import layers_of
+from keras_dist.planner.swapped import model_width, swap, swapped_dimensions
 
 _COLUMN = "column"
 _ROW = "row"
@@ -45,6 +46,10 @@ class PresetLayoutMap(LayoutMap):
     Attributes:
         replicated: `{variable path: reason}` for each such variable, in the
             order the model lists them.
+        swapped: `{variable path: reason}` for each variable whose KerasHub
+            layout has the model and data axes the wrong way round
+            (keras-hub#2827) and that `for_keras_hub` lays out with them
+            swapped back; empty for `tensor_parallel`.
 
     Example:
 
@@ -62,6 +67,7 @@ class PresetLayoutMap(LayoutMap):
     def __init__(self, device_mesh: Any = None):
         super().__init__(device_mesh)
         self.replicated: dict[str, str] = {}
+        self.swapped: dict[str, str] = {}
 
 
 def _check_model(model: Any, name: str) -> None:
@@ -338,7 +344,22 @@ def for_keras_hub(
     model_axis, data_parallel_dim_name=data_axis)` and copies its keys,
     anchored (`^(?:key)$`), so that each matches the whole paths it matches in
     KerasHub's own map (Keras' `LayoutMap` uses `re.fullmatch`; keras_dist's
-    searches, as the reference does) and no optimizer slot. Where
+    searches, as the reference does) and no optimizer slot. A key that
+    matches none of the backbone's variables is left out: KerasHub's maps
+    name layers that some configurations lack (Qwen3-MoE's dense
+    feed-forward layers, when every layer is a mixture of experts), and
+    `keras_dist.plan` would report it as `unmatched-key`.
+
+    Where KerasHub's layout puts the model axis on the model width (the
+    backbone's `hidden_dim`) and the data axis on another dimension, the two
+    are swapped back: KerasHub's Llama, Qwen and Qwen-MoE maps copy Gemma's
+    `(model, data, None)` for the query/key/value kernels, whose dimensions
+    are `(hidden, heads, head_dim)` there but `(heads, hidden, head_dim)` in
+    Gemma (keras-hub#2827, closed unfixed), which would split the width
+    along the model axis and the heads along the data axis. Such a variable
+    gets an exact key with the swapped layout, is listed in `swapped`, and a
+    warning names it; `keras_dist.plan` reports the unrepaired layout as
+    `swapped-axes`. Where
     one of them puts an axis on a dimension the axis does not divide (for
     example a key/value kernel with one head over a model axis of 2,
     keras-hub#1613), that variable gets an exact key of its own (its path, which
@@ -392,17 +413,30 @@ def for_keras_hub(
         )
         return tensor_parallel(backbone, mesh, model_axis=model_axis)
     layout_map = PresetLayoutMap(mesh)
+    paths = [variable.path for variable in backbone.weights]
     for key in hub_map:
+        if not any(re.fullmatch(key, path) for path in paths):
+            continue  # a layer this configuration lacks: the key does nothing
         # Keras' LayoutMap (KerasHub's) matches whole paths (`re.fullmatch`),
         # keras_dist's searches in them: anchored, each key matches the same.
         layout_map[f"^(?:{key})$"] = TensorLayout(tuple(hub_map[key].axes), mesh)
     owners = _owners(backbone)
+    width = model_width(backbone, [(v.path, tuple(v.shape)) for v in backbone.weights])
     intended: dict[str, tuple] = {}
     for variable in backbone.weights:
         path, shape = variable.path, tuple(variable.shape)
         layout = hub_map[path]
         axes = (None,) * len(shape) if layout is None else tuple(layout.axes)
-        intended[path], problems = _divisible_axes(shape, axes, mesh)
+        swapped = swapped_dimensions(shape, axes, width, data_axis)
+        fixed = axes if swapped is None else swap(axes, *swapped)
+        if swapped is not None:
+            on_width, other = swapped
+            layout_map.swapped[path] = (
+                f"{axes[on_width]!r} on dimension {on_width}, the model width "
+                f"(size {width}), and {data_axis!r} on dimension {other} of shape "
+                f"{shape} are swapped (keras-hub#2827)"
+            )
+        intended[path], problems = _divisible_axes(shape, fixed, mesh)
         refusal = get_adapter().unsupported_split(
             owners.get(id(variable)), variable, intended[path]
         )
@@ -411,10 +445,14 @@ def for_keras_hub(
             problems.append(refusal)
         if problems:
             layout_map.replicated[path] = "; ".join(problems)
+        if problems or swapped is not None:
             layout_map[path] = intended[path]
+            reasons = (
+                [layout_map.swapped[path]] if swapped is not None else []
+            ) + problems
             job.warn_once(
                 f"KerasHub's layout {axes} for {path!r} cannot be used: "
-                f"{'; '.join(problems)}. keras_dist lays it out as "
+                f"{'; '.join(reasons)}. keras_dist lays it out as "
                 f"{intended[path]} instead.",
                 UserWarning,
                 stacklevel=2,

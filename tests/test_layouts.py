@@ -18,6 +18,15 @@ sys.path.insert(0, str(WORKERS))
 import layout_models  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _warnings_anew(monkeypatch):
+    """`for_keras_hub` warns once per message and process: each test here sees
+    its own warnings, whatever ran before it in this process."""
+    from keras_dist.common import job
+
+    monkeypatch.setattr(job, "_warned", set())
+
+
 def _mesh(batch: int, model: int) -> kd.DeviceMesh:
     return kd.DeviceMesh((batch, model), ["batch", "model"])
 
@@ -168,21 +177,72 @@ def test_tensor_parallel_trains_like_one_device():
     assert down.sharding.shard_shape(down.shape) == (4, 8)
 
 
+def _llama_attention(layers=(0,)):
+    return [
+        f"transformer_layer_{i}/self_attention/{name}/kernel"
+        for i in layers
+        for name in ("query", "key", "value")
+    ]
+
+
+def test_for_keras_hub_swaps_back_keras_hubs_swapped_llama_axes():
+    """keras-hub#2827: KerasHub's Llama map gives the query/key/value kernels,
+    (hidden, heads, head_dim), Gemma's (model, data, None): the model axis on
+    the width. Swapped back, then repaired like any other layout (2 key/value
+    heads do not split 4 ways); Gemma's own map is left as it is."""
+    pytest.importorskip("keras_hub")
+    from tests.workers.plan_models import keras_hub_backbone
+
+    # Placeholder devices: nothing runs, so every backend can lay out (2, 4).
+    mesh = kd.DeviceMesh((2, 4), ["batch", "model"], [f"cpu:{i}" for i in range(8)])
+    backbone = keras_hub_backbone("llama")
+    with pytest.warns(UserWarning) as record:
+        layout_map = layouts.for_keras_hub(backbone, mesh)
+    attention = _llama_attention((0, 1))
+    assert list(layout_map.swapped) == attention
+    messages = [str(warning.message) for warning in record]
+    for path in attention:
+        assert any(f"{path!r} cannot be used" in m for m in messages), messages
+        assert "the model width (size 16)" in layout_map.swapped[path]
+        assert "keras-hub#2827" in layout_map.swapped[path]
+    queries, keys_values = attention[::3], [p for p in attention if "query" not in p]
+    for path in queries:
+        assert layout_map[path].axes == ("batch", "model", None)
+    for path in keys_values:
+        assert layout_map[path].axes == ("batch", None, None)
+        assert "is 2, which the 'model' axis of size 4" in layout_map.replicated[path]
+    # Everything else as KerasHub lays it out.
+    hub_map = type(backbone).get_layout_map(mesh)
+    for variable in backbone.weights:
+        if variable.path in attention or variable.path in layout_map.replicated:
+            continue
+        ours, theirs = layout_map[variable.path], hub_map[variable.path]
+        assert (ours and ours.axes) == (theirs and theirs.axes), variable.path
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Gemma's map needs no swap
+        gemma_map = layouts.for_keras_hub(
+            keras_hub_backbone("gemma"),
+            kd.DeviceMesh((4, 2), ["batch", "model"], [f"cpu:{i}" for i in range(8)]),
+        )
+    assert gemma_map.swapped == {}
+
+
 @pytest.mark.backend("jax")
 def test_llama_trains_like_one_device_with_keras_hub_layouts():
     inputs, targets = layout_models.tokens()
     reference = layout_models.causal_lm("llama")
     expected = layout_models.fit(reference, inputs, targets)
     model = layout_models.causal_lm("llama")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # every KerasHub layout fits this mesh
+    with pytest.warns(UserWarning, match="keras-hub#2827"):
         layout_map = layouts.for_keras_hub(model.backbone, _mesh(2, 4))
     hub_map = type(model.backbone).get_layout_map(_mesh(2, 4))
-    assert layout_map.replicated == {}
-    assert len(layout_map) == len(hub_map)
-    for variable in model.backbone.weights:  # each as KerasHub lays it out
-        ours, theirs = layout_map[variable.path], hub_map[variable.path]
-        assert (ours and ours.axes) == (theirs and theirs.axes), variable.path
+    attention = _llama_attention()
+    assert list(layout_map.swapped) == attention
+    assert list(layout_map.replicated) == attention[1:]  # 2 key/value heads
+    for variable in model.backbone.weights:  # the others as KerasHub lays them out
+        if variable.path not in attention:
+            ours, theirs = layout_map[variable.path], hub_map[variable.path]
+            assert (ours and ours.axes) == (theirs and theirs.axes), variable.path
     logits = layout_models.fit(
         model, inputs, targets, kd.ModelParallel(layout_map=layout_map)
     )
@@ -191,6 +251,10 @@ def test_llama_trains_like_one_device_with_keras_hub_layouts():
     # KerasHub's ("model", "batch") on a (2, 4) mesh: 4 x 2 blocks of (32, 16).
     ffw = _value(model, "transformer_layer_0/feedforward_output_dense/kernel")
     assert ffw.sharding.shard_shape(ffw.shape) == (8, 8)
+    # The query kernel (16, 4, 4), swapped back: the width along "batch" (2),
+    # the heads along "model" (4).
+    query = _value(model, attention[0])
+    assert query.sharding.shard_shape(query.shape) == (8, 1, 4)
 
 
 @pytest.mark.backend("jax")

@@ -9,6 +9,7 @@ import pathlib
 import resource
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -382,3 +383,298 @@ def test_slot_table_matches_keras_optimizers_built_on_shapes():
     # Nadam makes a variable with a value in build(), which a stateless
     # scope refuses: the table is its only count.
     assert from_table == {"Nadam"}
+
+
+# -- issue 25: what the plan did not see, it says --------------------------------
+
+
+class _TwoDense(keras.Model):
+    """A subclassed model: built only when called; `unused` never is."""
+
+    def __init__(self, units: int = 64, *, unused: bool = False):
+        super().__init__(name="two_dense")
+        self.first = keras.layers.Dense(units, name="first")
+        self.second = keras.layers.Dense(units, name="second")
+        self.unused = keras.layers.Dense(3, name="unused") if unused else None
+
+    def call(self, inputs):
+        return self.second(self.first(inputs))
+
+
+def _one_device():
+    return kd.DataParallel(devices=kd.list_devices()[:1])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.Sequential([keras.layers.Dense(4096), keras.layers.Dense(4096)]),
+        _TwoDense,
+    ],
+    ids=["sequential-without-input", "subclassed-never-called"],
+)
+def test_an_unbuilt_model_is_refused_not_planned_empty(make):
+    from keras_dist.planner.model import UnbuiltModelError
+
+    for model in (make, make()):  # a function returning it, and the model itself
+        with pytest.raises(UnbuiltModelError) as raised:
+            plan(model, _one_device(), device_memory=2**20)
+        message = str(raised.value)
+        assert "is not built" in message and "a plan of it would be empty" in message
+        assert "pass input_shape=" in message
+        assert message.endswith("Received: input_shape=None")
+        assert isinstance(raised.value, ValueError)
+
+
+def test_an_unbuilt_model_is_built_from_input_shape():
+    from tests.workers.plan_models import unbuilt_mlp
+
+    # The issue's case: two Dense(4096) against a 1 MiB budget.
+    result = plan(
+        unbuilt_mlp,
+        _one_device(),
+        input_shape=(4096,),
+        batch_size=2,
+        device_memory=2**20,
+    )
+    assert [(row.path, row.shape) for row in result.rows] == [
+        ("unbuilt/wide/kernel", (4096, 4096)),
+        ("unbuilt/wide/bias", (4096,)),
+        ("unbuilt/wider/kernel", (4096, 4096)),
+        ("unbuilt/wider/bias", (4096,)),
+    ]
+    assert result.devices[0].parameters == 4 * 2 * (4096 * 4096 + 4096)
+    assert result.devices[0].activations == 2 * 4 * 3 * 4096  # input and 2 outputs
+    assert _kinds(result) == ["out-of-memory"]
+    # A subclassed model is built by a symbolic call; a layer it never calls
+    # is named, not silently left out.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras' own warning about `unused`
+        result = plan(lambda: _TwoDense(unused=True), _one_device(), input_shape=(5,))
+    assert [row.path for row in result.rows] == [
+        "two_dense/first/kernel",
+        "two_dense/first/bias",
+        "two_dense/second/kernel",
+        "two_dense/second/bias",
+    ]
+    assert _kinds(result) == ["unbuilt"]
+    assert result.problems[0].paths == ("unused",)
+    # A model object (not a function) is built for real, as a call would.
+    model = _TwoDense(8)
+    plan(model, _one_device(), input_shape=(5,))
+    assert model.built
+    assert np.any(keras.ops.convert_to_numpy(model.first.kernel.value) != 0)
+
+
+def test_keras_hub_backbone_activations_from_sequence_length_or_input_shape():
+    from tests.workers.plan_models import llama
+
+    unsized = plan(llama, _one_device(), batch_size=8)
+    assert unsized.devices[0].activations is None
+    assert any(
+        "(None, None)" in note and "sequence_length=" in note for note in unsized.notes
+    )
+    by_length = plan(llama, _one_device(), batch_size=8, sequence_length=128)
+    by_shape = plan(
+        llama,
+        _one_device(),
+        batch_size=8,
+        input_shape={"token_ids": (128,), "padding_mask": (128,)},
+    )
+    # Token ids and padding mask (int32), then the embedding, two decoder
+    # blocks and the final norm, (8, 128, 16) float32 each.
+    expected = 2 * (8 * 128 * 4) + 4 * (8 * 128 * 16 * 4)
+    assert by_length.devices[0].activations == expected
+    assert by_shape.devices[0].activations == expected
+
+
+def test_input_shape_and_sequence_length_mistakes_are_named():
+    from tests.workers.plan_models import llama, mlp, unbuilt_mlp
+
+    distribution = _one_device()
+    with pytest.raises(TypeError, match="input_shape='4096'"):
+        plan(unbuilt_mlp, distribution, input_shape="4096")
+    with pytest.raises(ValueError, match=r"at least 1.*input_shape=\(0,\)"):
+        plan(unbuilt_mlp, distribution, input_shape=(0,))
+    with pytest.raises(ValueError, match="Building the model 'unbuilt'"):
+        plan(unbuilt_mlp, distribution, input_shape={"x": (4,)})
+    with pytest.raises(ValueError, match=r"'token_ids'.*\(None,\).*\(8, 2\)"):
+        plan(
+            llama, distribution, input_shape={"token_ids": (8, 2), "padding_mask": (8,)}
+        )
+    with pytest.raises(ValueError, match="one shape per input"):
+        plan(llama, distribution, input_shape={"token_ids": (8,)})
+    with pytest.raises(ValueError, match="one shape per input"):
+        plan(llama, distribution, input_shape=(8,))
+    with pytest.raises(ValueError, match="input_shape` or `sequence_length`, not both"):
+        plan(llama, distribution, input_shape=(8,), sequence_length=8)
+    with pytest.raises(ValueError, match=r"none of them has one.*\(None, 64\)"):
+        plan(mlp, distribution, sequence_length=8)
+    with pytest.raises(ValueError, match="sequence_length=0"):
+        plan(llama, distribution, sequence_length=0)
+    with pytest.raises(TypeError, match="sequence_length='8'"):
+        plan(llama, distribution, sequence_length="8")
+    # A model whose inputs have fixed shapes: input_shape must fit them.
+    with pytest.raises(ValueError, match=r"does not fit.*\(64,\)"):
+        plan(mlp, distribution, input_shape=(32,))
+    # What the model's own code raises on the shape is named.
+    with (
+        warnings.catch_warnings(),  # Keras' own, about the failed build
+        pytest.raises(ValueError, match="Building the model 'two_dense'.*failed"),
+    ):
+        warnings.simplefilter("ignore")
+        plan(_TwoDense, distribution, input_shape={"a": (3,), "b": (4,)})
+    # A graph that cannot run on the given shape: no estimate, and why.
+    inputs = keras.Input((None,))
+    model = keras.Model(inputs, keras.layers.Reshape((4, -1))(inputs))
+    result = plan(model, distribution, input_shape=(15,), batch_size=2)
+    assert result.devices[0].activations is None
+    assert any("on inputs of shapes [(None, 15)] failed" in n for n in result.notes)
+
+
+def test_a_mesh_larger_than_the_machine_is_planned_from_its_shape():
+    from tests.workers.plan_models import mlp, mlp_clean_layout_map
+
+    result = plan(mlp, kd.FSDP, mesh={"batch": 16, "model": 4}, device_memory=10**9)
+    assert result.mesh == {"batch": 16, "model": 4}
+    names = [device.device for device in result.devices]
+    assert len(set(names)) == 64
+    assert all(device.memory == 10**9 for device in result.devices)
+    assert any("64 devices are placeholder names" in note for note in result.notes)
+    kernel = next(row for row in result.rows if row.path == "mlp/up/kernel")
+    assert kernel.bytes_per_device == kernel.total_bytes // 16  # FSDP along "batch"
+    # A function of the mesh that builds a layout map on it.
+    result = plan(
+        mlp,
+        lambda mesh: kd.ModelParallel(layout_map=mlp_clean_layout_map(mesh)),
+        mesh={"batch": 2, "model": 4},
+    )
+    kernel = next(row for row in result.rows if row.path == "mlp/up/kernel")
+    assert kernel.axes == (None, "model") and result.problems == []
+    # Without enough devices of their own, placeholders report no memory.
+    placeholders = any("placeholder" in note for note in result.notes)
+    assert placeholders == (kd.get_device_count() < 8)
+
+
+def test_mesh_mistakes_are_named():
+    from tests.workers.plan_models import mlp
+
+    with pytest.raises(TypeError, match=r"needs the mesh's shape as mesh="):
+        plan(mlp, kd.FSDP)
+    with pytest.raises(TypeError, match="a distribution has its own mesh"):
+        plan(mlp, _one_device(), mesh={"batch": 1})
+    for mesh in ({}, {"batch": 0}, ["batch"], {"batch": 2.0}):
+        with pytest.raises(ValueError, match="`mesh` must be a dict of axis names"):
+            plan(mlp, kd.FSDP, mesh=mesh)
+    with pytest.raises(TypeError, match="must return a DataParallel"):
+        plan(mlp, lambda mesh: "fsdp", mesh={"batch": 2})
+    with pytest.raises(ValueError, match="on the mesh it is given"):
+        plan(mlp, lambda mesh: _one_device(), mesh={"batch": 2})
+
+
+def test_the_chart_has_one_bar_per_distinct_device_with_its_sizes_on_it():
+    from keras_dist.planner.report import device_groups, plan_figure
+    from tests.workers.plan_models import mlp
+
+    def chart(memory):
+        result = plan(
+            mlp,
+            kd.FSDP,
+            mesh={"batch": 8},
+            batch_size=8,
+            optimizer="sgd",
+            device_memory=memory,
+        )
+        return result, plan_figure(result).axes[0]
+
+    # A 16 GiB budget against KiBs: written, not drawn, so the bar is seen.
+    result, axes = chart(16 * 2**30)
+    assert [label for label, _ in device_groups(result)] == [
+        f"{result.devices[0].device} … {result.devices[-1].device} (8 devices)"
+    ]
+    assert [len(bars.patches) for bars in axes.containers] == [1, 1, 1]
+    tick_labels = [tick.get_text() for tick in axes.get_xticklabels()]
+    assert tick_labels == [label for label, _ in device_groups(result)]
+    height = sum(bars.patches[0].get_height() for bars in axes.containers)
+    assert height / axes.get_ylim()[1] > 0.5  # the bar fills the chart
+    texts = [text.get_text() for text in axes.texts]
+    total = result.devices[0].total
+    assert any(text.startswith(f"{total / 1024:.2f} KiB\n") for text in texts), texts
+    assert any("device memory: 16.00 GiB" in text for text in texts), texts
+    # The parameters' size is written inside their segment.
+    parameters = [t.get_text() for t in axes.texts if t.get_text().endswith("KiB")]
+    assert f"{result.devices[0].parameters / 1024:.2f} KiB" in parameters
+    # A budget within reach of the bar is drawn, at its height.
+    result, axes = chart(total * 2)
+    (line,) = axes.collections
+    assert line.get_segments()[0][0][1] == pytest.approx(2 * total / 1024)
+    assert not any("device memory:" in text.get_text() for text in axes.texts)
+
+
+# -- issue 25: KerasHub's layouts and the swapped-axes check -----------------------
+
+
+def _placeholder_mesh(shape, axes):
+    """A mesh of placeholder devices: the planner never touches them."""
+    names = [f"cpu:{index}" for index in range(int(np.prod(shape)))]
+    return kd.DeviceMesh(shape, axes, names)
+
+
+@pytest.mark.parametrize("kind", ["gemma", "llama", "qwen", "qwen_moe", "qwen3_moe"])
+def test_keras_hub_layouts_plan_clean_through_for_keras_hub(kind):
+    pytest.importorskip("keras_hub")
+    from tests.workers.plan_models import keras_hub_backbone
+
+    backbone = keras_hub_backbone(kind)
+    mesh = _placeholder_mesh((2, 4), ["batch", "model"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its repairs warn (tests/test_layouts.py)
+        layout_map = kd.layouts.for_keras_hub(backbone, mesh)
+    for distribution in (
+        kd.FSDP(mesh, layout_map=layout_map),
+        kd.ModelParallel(layout_map=layout_map),
+    ):
+        result = plan(backbone, distribution, batch_size=8)
+        assert result.problems == [], [p.message for p in result.problems]
+
+
+def test_a_genuinely_swapped_layout_is_still_reported():
+    """KerasHub's own Llama map (keras-hub#2827): its query/key/value kernels
+    are (hidden, heads, head_dim), and Gemma's (model, data, None) copied onto
+    them puts the model axis on the width (16) and the data axis on the
+    heads. Gemma's own kernels, (heads, hidden, head_dim), take it well; the
+    same kernels with the two axes exchanged by hand are reported."""
+    keras_hub = pytest.importorskip("keras_hub")
+    from tests.workers.plan_models import keras_hub_backbone
+
+    mesh = _placeholder_mesh((2, 4), ["batch", "model"])
+    attention = [
+        f"transformer_layer_{i}/self_attention/{name}/kernel"
+        for i in (0, 1)
+        for name in ("query", "key", "value")
+    ]
+    llama = keras_hub_backbone("llama")
+    own_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    result = plan(llama, kd.ModelParallel(layout_map=own_map))
+    assert _kinds(result) == ["swapped-axes"]
+    assert _paths(result, "swapped-axes") == sorted(attention)
+    assert "(size 16)" in result.problems[0].message
+    assert "for_keras_hub repairs" in result.problems[0].message
+    # Gemma: clean with KerasHub's layout, reported when swapped by hand.
+    gemma = keras_hub_backbone("gemma")
+    mesh = _placeholder_mesh((2, 2), ["batch", "model"])  # 2 key/value heads
+    gemma_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    assert _kinds(plan(gemma, kd.ModelParallel(layout_map=gemma_map))) == []
+    swapped = kd.LayoutMap(mesh)
+    for key in gemma_map:
+        axes = tuple(gemma_map[key].axes)
+        if "query|key|value" in key:
+            axes = (axes[1], axes[0], axes[2])  # ("batch", "model", None)
+        swapped[key] = axes
+    result = plan(gemma, kd.ModelParallel(layout_map=swapped))
+    assert _kinds(result) == ["swapped-axes"]
+    assert _paths(result, "swapped-axes") == sorted(
+        f"decoder_block_{i}/attention/{name}/kernel"
+        for i in (0, 1)
+        for name in ("query", "key", "value")
+    )

@@ -83,7 +83,8 @@ def _validate_devices(devices: Any, shape: tuple[int, ...]) -> np.ndarray:
             raise ValueError(
                 f"A mesh of shape {shape} needs {math.prod(shape)} devices, but "
                 f"{len(devices)} are available: {devices}. Pass `devices=` or a "
-                "shape whose product is the device count."
+                "shape whose product is the device count (to plan a mesh this "
+                "machine lacks, give `keras_dist.plan` its shape: mesh={...})."
             )
     array = np.asarray(devices, dtype=object)
     flat = list(array.reshape(-1))

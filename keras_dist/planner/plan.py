@@ -3,9 +3,8 @@ from shapes only, before anything is allocated on a device."""
 
 from __future__ import annotations
 
-import collections
 import re
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +13,22 @@ import numpy as np
 
 from keras_dist.backends import get_adapter
 from keras_dist.keras_compat.distribution import KerasDistribution
-from keras_dist.keras_compat.variables import shapes_only_variables
+from keras_dist.planner.model import (
+    check_input_shape,
+    input_specs,
+    input_structure,
+    made_model,
+    output_paths,
+    output_tensors,
+    traced_outputs,
+    unbuilt_layers,
+    unique_variables,
+)
+from keras_dist.planner.paper_mesh import check_mesh, distribution_on_mesh
 from keras_dist.planner.result import DeviceTotals, Plan, Problem, VariableRow
 from keras_dist.planner.slots import Slot, optimizer_slots
+from keras_dist.planner.swapped import model_width, swapped_dimensions
+from keras_dist.runtime import api as runtime
 
 __all__ = ["DeviceTotals", "Plan", "Problem", "VariableRow", "plan"]
 
@@ -48,6 +60,9 @@ def plan(
     model: Any,
     distribution: Any,
     *,
+    mesh: Mapping[str, int] | None = None,
+    input_shape: Any = None,
+    sequence_length: int | None = None,
     batch_size: int | None = None,
     device_memory: int | None = None,
     on_indivisible: str = "error",
@@ -58,15 +73,36 @@ def plan(
 
     Only variable paths, shapes and dtypes are read; no value is read and
     nothing is placed on a device, so a mesh of devices this machine does not
-    have can be planned.
+    have can be planned: give its shape as `mesh=` (or name placeholder
+    devices in a `DeviceMesh`: `devices=[f"gpu:{i}" for i in range(64)]`).
 
     Args:
-        model: a built Keras model, or a function of no arguments returning
-            one: it is then built inside `keras.StatelessScope`, where Keras
+        model: a Keras model, or a function of no arguments returning one: it
+            is then made and built inside `keras.StatelessScope`, where Keras
             defers variable initialisation, so even a model far larger than
-            this machine's memory is planned without allocating it.
+            this machine's memory is planned without allocating it. A model
+            that is not built (a `Sequential` without `keras.Input`, a
+            subclassed model never called) is built from `input_shape`, or
+            refused: a plan never counts what it did not see. (A model
+            object, rather than a function, is built for real.)
         distribution: a `DataParallel`, `ModelParallel` or `FSDP` (keras_dist's
-            or Keras' own policies).
+            or Keras' own policies); with `mesh=`, a function of the
+            `DeviceMesh` returning one, such as `keras_dist.FSDP` itself or
+            `lambda mesh: keras_dist.ModelParallel(layout_map=...)`.
+        mesh: `{axis name: size}`, e.g. `{"batch": 8, "model": 8}`, for a
+            `distribution` given as a function: the mesh is made on this
+            machine's devices when it has enough, else on placeholder names
+            (`"gpu:0"`... after this machine's device type), whose memory is
+            unknown unless `device_memory` says it.
+        input_shape: the shape of one sample, without the batch dimension, as
+            `keras.Input(shape=...)` takes it (a dict of them by input name,
+            or a list, for several inputs). Builds a model that is not built,
+            and sizes the activation estimate of a functional model whose
+            inputs have unknown dimensions (e.g. a sequence length).
+        sequence_length: for a built model whose inputs have an unknown
+            dimension 1 (KerasHub backbones' `(batch, sequence)` token ids
+            and padding mask): that dimension's size for the activation
+            estimate. Give `input_shape` or `sequence_length`, not both.
         batch_size: the global batch, for the activation estimate (functional
             and Sequential models only).
         device_memory: bytes per device. Defaults to what the backend reports
@@ -95,41 +131,51 @@ def plan(
     [('net/dense/kernel', 32), ('net/dense/bias', 8)]
     >>> result.devices[0].activations  # inputs and outputs of 8 rows, float32
     192
+    >>> wide = keras_dist.plan(build, keras_dist.FSDP, mesh={"batch": 64})
+    >>> len(wide.devices)  # placeholder devices: this machine need not have 64
+    64
     """
-    _check_arguments(distribution, batch_size, device_memory, on_indivisible)
-    if not isinstance(model, keras.layers.Layer) and callable(model):
-        with shapes_only_variables():
-            try:
-                model = model()
-            except ValueError as error:
-                if "stateless scope" not in str(error):
-                    raise
-                raise ValueError(
-                    "The model function made a variable with a value, which "
-                    "keras.StatelessScope refuses: it may build the model "
-                    "(layers' own weights) but not compile it; pass the "
-                    "optimizer as `plan(..., optimizer=...)` instead. "
-                    f"Received: model={model!r}"
-                ) from error
-    if not isinstance(model, keras.layers.Layer):
-        raise TypeError(
-            "`model` must be a Keras model or a function of no arguments "
-            f"returning one. Received: model={model!r}"
-        )
+    _check_arguments(distribution, mesh, batch_size, device_memory, on_indivisible)
+    check_input_shape(input_shape)
+    _check_sequence_length(input_shape, sequence_length)
+    model = made_model(model, input_shape)
+    placeholders = False
+    if mesh is not None:
+        distribution, placeholders = distribution_on_mesh(distribution, mesh)
+    specs = input_specs(model, input_shape, sequence_length)
     slots, slot_note = optimizer_slots(model, optimizer)
-    return _Planner(model, distribution, on_indivisible).run(
-        slots, slot_note, batch_size, device_memory
-    )
+    planner = _Planner(model, distribution, on_indivisible, placeholders)
+    return planner.run(slots, slot_note, batch_size, device_memory, specs)
 
 
 def _check_arguments(
-    distribution: Any, batch_size: Any, device_memory: Any, on_indivisible: Any
+    distribution: Any,
+    mesh: Any,
+    batch_size: Any,
+    device_memory: Any,
+    on_indivisible: Any,
 ) -> None:
-    if not isinstance(distribution, KerasDistribution):
-        raise TypeError(
-            "`distribution` must be a DataParallel, ModelParallel or FSDP. "
-            f"Received: distribution={distribution!r}"
+    if mesh is None and not isinstance(distribution, KerasDistribution):
+        more = (
+            " A function of the mesh needs the mesh's shape as mesh=, e.g. "
+            "mesh={'batch': 8}."
+            if callable(distribution)
+            else ""
         )
+        raise TypeError(
+            "`distribution` must be a DataParallel, ModelParallel or FSDP."
+            f"{more} Received: distribution={distribution!r}"
+        )
+    if mesh is not None:
+        if isinstance(distribution, KerasDistribution) or not callable(distribution):
+            raise TypeError(
+                "With mesh=, `distribution` must be a function of the DeviceMesh "
+                "returning the distribution (such as keras_dist.FSDP, or lambda "
+                "mesh: keras_dist.ModelParallel(layout_map=...)); a distribution "
+                "has its own mesh already. Received: "
+                f"distribution={distribution!r}, mesh={mesh!r}"
+            )
+        check_mesh(mesh)
     for name, value in (("batch_size", batch_size), ("device_memory", device_memory)):
         if value is None:
             continue
@@ -143,6 +189,29 @@ def _check_arguments(
         raise ValueError(
             f"`on_indivisible` must be one of {ON_INDIVISIBLE}. Received: "
             f"on_indivisible={on_indivisible!r}"
+        )
+
+
+def _check_sequence_length(input_shape: Any, sequence_length: Any) -> None:
+    if sequence_length is None:
+        return
+    if isinstance(sequence_length, bool) or not isinstance(
+        sequence_length, (int, np.integer)
+    ):
+        raise TypeError(
+            "`sequence_length` must be an int or None. Received: "
+            f"sequence_length={sequence_length!r}"
+        )
+    if sequence_length < 1:
+        raise ValueError(
+            f"`sequence_length` must be at least 1. Received: "
+            f"sequence_length={sequence_length}"
+        )
+    if input_shape is not None:
+        raise ValueError(
+            "Give `input_shape` or `sequence_length`, not both: the input shape "
+            f"says the sequence length already. Received: input_shape="
+            f"{input_shape!r}, sequence_length={sequence_length}"
         )
 
 
@@ -162,10 +231,13 @@ def _device_name(device: Any) -> str:
 
 
 class _Planner:
-    def __init__(self, model: Any, distribution: Any, on_indivisible: str):
+    def __init__(
+        self, model: Any, distribution: Any, on_indivisible: str, placeholders: bool
+    ):
         self.model = model
         self.distribution = distribution
         self.on_indivisible = on_indivisible
+        self.placeholders = placeholders
         mesh = distribution.device_mesh
         self.mesh = {
             str(a): int(s) for a, s in zip(mesh.axis_names, mesh.shape, strict=True)
@@ -188,8 +260,10 @@ class _Planner:
         slot_note: str,
         batch_size: int | None,
         device_memory: int | None,
+        specs: Any,
     ) -> Plan:
-        variables = _unique(self.model.variables)
+        self._check_built()
+        variables = unique_variables(self.model.variables)
         trainable = {id(v) for v in self.model.trainable_variables}
         model_rows: list[VariableRow] = []
         by_path: dict[str, VariableRow] = {}
@@ -221,9 +295,15 @@ class _Planner:
             )
         self._check_keys(model_rows)
         self._check_swapped(model_rows, map_axes)
-        activations, activation_note = self._activations(batch_size)
+        activations, activation_note = self._activations(batch_size, specs)
         devices = self._devices(model_rows, slot_rows, activations, device_memory)
         notes = [slot_note, activation_note]
+        if self.placeholders:
+            notes.append(
+                f"The mesh's {len(devices)} devices are placeholder names (this "
+                f"machine has {runtime.get_device_count()}): nothing runs on them, "
+                "and their memory is what device_memory= says."
+            )
         if all(d.memory is None for d in devices):
             notes.append(
                 "Device memory is unknown (CPU or a backend that does not report "
@@ -238,6 +318,21 @@ class _Planner:
             self.problems,
             notes,
         )
+
+    def _check_built(self) -> None:
+        unbuilt = unbuilt_layers(self.model)
+        if unbuilt:
+            self.problems.append(
+                Problem(
+                    "unbuilt",
+                    f"{len(unbuilt)} layer(s) of the model are not built, so "
+                    "their variables, if they have any, are not in this plan: "
+                    f"{unbuilt[:8]}{' ...' if len(unbuilt) > 8 else ''}. A layer "
+                    "the model never calls is never built: call it, build it "
+                    "(layer.build(shape)) or remove it.",
+                    tuple(unbuilt),
+                )
+            )
 
     # -- one variable ------------------------------------------------------------
     def _matching_keys(self, path: str) -> list[str]:
@@ -333,7 +428,7 @@ class _Planner:
 
     # -- the whole map -----------------------------------------------------------
     def _check_keys(self, rows: list[VariableRow]) -> None:
-        paths = [row.path for row in rows] + _output_paths(self.model)
+        paths = [row.path for row in rows] + output_paths(self.model)
         for key in self.keys:
             matched = [p for p in paths if key == p or re.search(key, p)]
             if not matched:
@@ -364,50 +459,57 @@ class _Planner:
     def _check_swapped(
         self, rows: list[VariableRow], map_axes: dict[str, tuple]
     ) -> None:
-        width = model_width(rows)
-        if width is None:
-            return
+        width = model_width(self.model, [(row.path, row.shape) for row in rows])
         for row in rows:
             axes = map_axes.get(row.path, ())
-            model_on_width = any(
-                a is not None and a != self.batch_axis and row.shape[i] == width
-                for i, a in enumerate(axes)
-            )
-            batch_off_width = any(
-                a == self.batch_axis and row.shape[i] != width
-                for i, a in enumerate(axes)
-            )
-            if model_on_width and batch_off_width:
-                self.problems.append(
-                    Problem(
-                        "swapped-axes",
-                        f"{row.path!r} (shape {row.shape}) has layout {axes}: a model "
-                        f"axis on its model-width dimension (size {width}) and the "
-                        f"data axis {self.batch_axis!r} on another; the two look "
-                        "swapped (as in keras-hub#2827). Check the LayoutMap key "
-                        f"{row.key!r}.",
-                        (row.path,),
-                    )
+            if swapped_dimensions(row.shape, axes, width, self.batch_axis) is None:
+                continue
+            self.problems.append(
+                Problem(
+                    "swapped-axes",
+                    f"{row.path!r} (shape {row.shape}) has layout {axes}: a model "
+                    f"axis on its model-width dimension (size {width}) and the "
+                    f"data axis {self.batch_axis!r} on another; the two look "
+                    "swapped (as in KerasHub's Llama and Qwen maps, keras-hub#2827, "
+                    "which keras_dist.layouts.for_keras_hub repairs). Check the "
+                    f"LayoutMap key {row.key!r}.",
+                    (row.path,),
                 )
+            )
 
     # -- totals ------------------------------------------------------------------
-    def _activations(self, batch_size: int | None) -> tuple[int | None, str]:
+    def _activations(
+        self, batch_size: int | None, specs: Any
+    ) -> tuple[int | None, str]:
         if batch_size is None:
             return None, "No activation estimate: pass batch_size= for one."
-        tensors, unknown = _output_tensors(self.model)
+        tensors, unknown = output_tensors(self.model)
         if tensors is None:
             return None, (
                 "No activation estimate: the model is subclassed, so its layers' "
                 "outputs are unknown before it runs."
             )
+        given = keras.tree.flatten(specs) if specs is not None else []
+        own = keras.tree.flatten(input_structure(self.model))
+        if given and [t.shape for t in given] != [t.shape for t in own]:
+            # The graph runs again on the given shapes, each call counted.
+            try:
+                tensors, unknown = given + traced_outputs(self.model, specs), []
+            except Exception as error:  # whatever a layer raises on those shapes
+                return None, (
+                    "No activation estimate: running the model's graph on inputs "
+                    f"of shapes {[tuple(t.shape) for t in given]} failed "
+                    f"({type(error).__name__}: {error})."
+                )
         total = 0
         for tensor in tensors:
             shape = tuple(tensor.shape)[1:]
             if any(size is None for size in shape):
                 return None, (
                     f"No activation estimate: an output has unknown dimensions "
-                    f"{tuple(tensor.shape)} (e.g. a sequence length); build the "
-                    "model with fixed input shapes."
+                    f"{tuple(tensor.shape)} (e.g. a sequence length); pass "
+                    "input_shape= (or sequence_length= for a KerasHub backbone's "
+                    "(batch, sequence) inputs)."
                 )
             elements = batch_size * int(np.prod(shape, dtype=np.int64))
             total += elements * _itemsize_bits(tensor.dtype) // 8
@@ -433,7 +535,7 @@ class _Planner:
         devices = []
         for name in names:
             memory = device_memory
-            if memory is None:
+            if memory is None and not self.placeholders:
                 memory = get_adapter().device_memory_bytes(name)
             devices.append(DeviceTotals(name, parameters, slots, activations, memory))
         over = [d for d in devices if d.memory is not None and d.total > d.memory]
@@ -452,54 +554,3 @@ class _Planner:
                 )
             )
         return devices
-
-
-def model_width(rows: list[VariableRow]) -> int | None:
-    """The model width H the swapped-axes check compares against: the most
-    common size among the last dimension of embedding tables (variables
-    named `embeddings`) and the first dimension of 2-D `kernel`s (the larger
-    size on a tie); None when the model has neither."""
-    sizes = collections.Counter()
-    for row in rows:
-        name = row.path.rsplit("/", 1)[-1]
-        if name == "embeddings" and len(row.shape) >= 2:
-            sizes[row.shape[-1]] += 1
-        elif name == "kernel" and len(row.shape) == 2:
-            sizes[row.shape[0]] += 1
-    if not sizes:
-        return None
-    return max(sizes, key=lambda size: (sizes[size], size))
-
-
-def _unique(variables: list[Any]) -> list[Any]:
-    seen: dict[int, Any] = {}
-    for variable in variables:
-        seen.setdefault(id(variable), variable)
-    return list(seen.values())
-
-
-def _output_paths(model: Any) -> list[str]:
-    """`"<layer path>/output"` of every layer, the paths output keys match."""
-    flatten: Callable[..., Any] | None = getattr(model, "_flatten_layers", None)
-    layers = flatten(include_self=True, recursive=True) if flatten else [model]
-    return [f"{layer.path}/output" for layer in layers if getattr(layer, "path", None)]
-
-
-def _output_tensors(model: Any) -> tuple[list[Any] | None, list[str]]:
-    """The symbolic inputs and top-level layer outputs of a functional or
-    Sequential model (None when subclassed), and the layers left out."""
-    try:
-        inputs = list(keras.tree.flatten(model.inputs))
-    except (AttributeError, ValueError):
-        return None, []
-    tensors = {id(t): t for t in inputs}
-    unknown = []
-    for layer in model.layers:
-        try:
-            outputs = keras.tree.flatten(layer.output)
-        except (AttributeError, ValueError, RuntimeError):
-            unknown.append(layer.name)
-            continue
-        for tensor in outputs:
-            tensors.setdefault(id(tensor), tensor)
-    return list(tensors.values()), unknown

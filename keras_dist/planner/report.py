@@ -53,9 +53,10 @@ def _renderables(plan: Any) -> list[Any]:
         devices.add_column(column, justify="right")
     devices.add_column("total", justify="right")
     devices.add_column("memory", justify="right")
-    for device in plan.devices:
+    for label, group in device_groups(plan):
+        device = group[0]
         devices.add_row(
-            device.device,
+            label,
             _bytes(device.parameters),
             _bytes(device.optimizer_slots),
             _bytes(device.activations),
@@ -93,7 +94,52 @@ def print_plan(plan: Any) -> None:
         console.print(part)
 
 
+def _percent(share: float) -> str:
+    if share >= 10:
+        return f"{share:.0f}%"
+    return f"{share:.1f}%" if share >= 1 else f"{share:.2g}%"
+
+
+def device_groups(plan: Any) -> list[tuple[str, list[Any]]]:
+    """The plan's devices grouped by what they hold (every layout splits
+    evenly, so usually one group): `(label, devices)` per distinct total,
+    labelled `"cpu:0"`, `"cpu:0, cpu:1"` or `"cpu:0 … cpu:7 (8 devices)"`."""
+    groups: dict[tuple, list[Any]] = {}
+    for device in plan.devices:
+        key = (
+            device.parameters,
+            device.optimizer_slots,
+            device.activations,
+            device.memory,
+        )
+        groups.setdefault(key, []).append(device)
+    labelled = []
+    for devices in groups.values():
+        names = [d.device for d in devices]
+        if len(names) <= 2:
+            label = ", ".join(names)
+        else:
+            label = f"{names[0]} … {names[-1]} ({len(names)} devices)"
+        labelled.append((label, devices))
+    return labelled
+
+
+#: A device memory more than this many times the tallest bar is written on
+#: the chart instead of drawn, so that the bars stay visible.
+MEMORY_OFF_CHART = 4.0
+
+
 def plot_plan(plan: Any, path: str) -> str:
+    """Write `plan_figure(plan)` to `path` as a PNG; returns `path`."""
+    plan_figure(plan).savefig(path, format="png", bbox_inches="tight")
+    return path
+
+
+def plan_figure(plan: Any) -> Any:
+    """A matplotlib `Figure` of the plan: one stacked bar (parameters,
+    optimizer slots, activations) per group of devices that hold the same,
+    each size written on it, the device memory drawn as a line when within
+    reach of the bars and written above them when it dwarfs them."""
     try:
         # The figure draws on its own Agg canvas: no pyplot, so the user's
         # matplotlib backend and open figures are left alone.
@@ -103,37 +149,93 @@ def plot_plan(plan: Any, path: str) -> str:
         raise ImportError(
             f"Plotting a plan needs the `matplotlib` package: {INSTALL}"
         ) from error
-    largest = max(
-        [d.total for d in plan.devices] + [d.memory or 0 for d in plan.devices]
-    )
-    power = min(4, max(0, (max(largest, 1).bit_length() - 1) // 10))
+    groups = device_groups(plan)
+    firsts = [devices[0] for _, devices in groups]
+    tallest = max([d.total for d in firsts] + [1])
+    memories = [d.memory for d in firsts]
+    known = [m for m in memories if m is not None]
+    # The memory is drawn when it is within reach of the bars; a budget that
+    # dwarfs them is written instead, so the bars keep the chart's height.
+    draw_memory = bool(known) and max(known) <= MEMORY_OFF_CHART * tallest
+    top = max([tallest] + (known if draw_memory else []))
+    power = min(4, max(0, (max(top, 1).bit_length() - 1) // 10))
     unit = ("B", "KiB", "MiB", "GiB", "TiB")[power]
     scale = 1024**power  # bytes per chart unit
-    names = [d.device for d in plan.devices]
-    positions = list(range(len(names)))
-    parameters = [d.parameters / scale for d in plan.devices]
-    slots = [d.optimizer_slots / scale for d in plan.devices]
-    activations = [(d.activations or 0) / scale for d in plan.devices]
-    figure = Figure(figsize=(max(6.0, 0.5 * len(names) + 2) + 3, 4.5))
+    positions = list(range(len(groups)))
+    segments = [
+        ("parameters", [d.parameters for d in firsts]),
+        ("optimizer slots", [d.optimizer_slots for d in firsts]),
+        ("activations (estimate)", [d.activations or 0 for d in firsts]),
+    ]
+    if len(firsts) == 1:  # every size in the legend, the thin ones too
+        segments = [(f"{name}: {_bytes(v[0])}", v) for name, v in segments]
+    if all(d.activations is None for d in firsts):
+        segments[2] = (
+            "activations: no estimate (see the plan's notes)",
+            segments[2][1],
+        )
+    figure = Figure(figsize=(max(7.0, 1.6 * len(groups) + 2), 5.0))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
-    axes.bar(positions, parameters, label="parameters")
-    axes.bar(positions, slots, bottom=parameters, label="optimizer slots")
-    bottoms = [p + s for p, s in zip(parameters, slots, strict=True)]
-    axes.bar(positions, activations, bottom=bottoms, label="activations (estimate)")
-    memory = [d.memory for d in plan.devices]
-    if all(m is not None for m in memory):
-        axes.step(
-            [p - 0.5 for p in positions] + [positions[-1] + 0.5],
-            [m / scale for m in memory] + [memory[-1] / scale],
-            where="post",
-            color="red",
-            label="device memory",
+    bottoms = [0.0] * len(groups)
+    for label, values in segments:
+        heights = [v / scale for v in values]
+        bars = axes.bar(positions, heights, bottom=bottoms, width=0.6, label=label)
+        # A segment's size inside it, where it is tall enough to hold the text.
+        axes.bar_label(
+            bars,
+            labels=[
+                _bytes(v) if v and v / scale >= 0.08 * top / scale else ""
+                for v in values
+            ],
+            label_type="center",
+            fontsize=8,
         )
-    axes.set_xticks(positions, names, rotation=90 if len(names) > 8 else 0)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for position, device in zip(positions, firsts, strict=True):
+        text = _bytes(device.total)
+        if device.memory is not None:
+            share = _percent(100 * device.total / device.memory)
+            text += f"\n{share} of {_bytes(device.memory)}"
+        over = device.memory is not None and device.total > device.memory
+        axes.annotate(
+            text,
+            (position, device.total / scale),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=9,
+            color="red" if over else "black",
+            fontweight="bold" if over else "normal",
+        )
+    if draw_memory:
+        for position, memory in zip(positions, memories, strict=True):
+            if memory is not None:
+                axes.hlines(
+                    memory / scale,
+                    position - 0.4,
+                    position + 0.4,
+                    colors="red",
+                    label="device memory" if position == 0 else None,
+                )
+    elif known:
+        axes.text(
+            0.5,
+            0.98,
+            f"device memory: {_bytes(max(known))},\nfar above the bars (not to scale)",
+            transform=axes.transAxes,
+            ha="center",
+            va="top",
+            color="red",
+            fontsize=9,
+        )
+    # Room above the bars for their labels (and the memory's, when written).
+    axes.set_ylim(0, top / scale * (1.25 if draw_memory or not known else 1.5))
+    axes.set_xticks(positions, [label for label, _ in groups])
+    axes.set_xlim(-0.7, len(groups) - 0.3)
     axes.set_ylabel(f"{unit} per device")
-    axes.set_title(f"keras_dist plan: {len(plan.problems)} problem(s)")
-    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    figure.tight_layout()
-    figure.savefig(path, format="png")
-    return path
+    mesh = ", ".join(f"{axis}={size}" for axis, size in plan.mesh.items())
+    axes.set_title(f"keras_dist plan: mesh ({mesh}), {len(plan.problems)} problem(s)")
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
+    return figure

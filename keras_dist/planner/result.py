@@ -11,8 +11,9 @@ class Problem:
     """Something in a plan that fails, goes silently wrong or does not fit.
 
     `kind` is one of `"indivisible"`, `"unmatched-key"`, `"multiple-keys"`,
-    `"swapped-axes"`, `"mixed-roles"`, `"too-many-axes"` and
-    `"out-of-memory"`; `paths` names the variables (or keys) concerned.
+    `"swapped-axes"`, `"mixed-roles"`, `"too-many-axes"`, `"unbuilt"` (layers
+    whose variables the plan could not see) and `"out-of-memory"`; `paths`
+    names the variables (or keys, or layers) concerned.
     """
 
     kind: str
@@ -91,9 +92,11 @@ class Plan:
         print_plan(self)
 
     def plot(self, path: str) -> str:
-        """Write a PNG bar chart of each device's parameters, optimizer slots
-        and activations (stacked), with its memory as a line when known.
-        Needs `matplotlib`. Returns `path`."""
+        """Write a PNG bar chart of the parameters, optimizer slots and
+        activations (stacked, each size written on it) of each group of
+        devices that hold the same (one bar for an evenly split mesh), with
+        their memory as a line when known (written instead of drawn when it
+        dwarfs the bars). Needs `matplotlib`. Returns `path`."""
         from keras_dist.planner.report import plot_plan  # noqa: PLC0415
 
         return plot_plan(self, path)

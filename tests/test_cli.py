@@ -1,0 +1,244 @@
+"""The `keras-dist` command (issue 25): help and `env` start without a
+backend, errors say the flags, `plan` refuses what it cannot see.
+
+`plan` runs in this process through `keras_dist.cli.main` (what `python -m
+keras_dist` exits with), on every backend: its meshes need no devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+
+from keras_dist import cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PLAN = ["plan", "--mesh", "1", "--axes", "batch"]
+
+
+@pytest.fixture
+def run(monkeypatch, capsys):
+    """`keras-dist ARGS` in this process: (exit status, stdout, stderr); a
+    usage error's SystemExit is its status."""
+    monkeypatch.chdir(ROOT)  # MODULE:FUNCTION imports from here, as in a shell
+
+    def run_cli(*arguments: str):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # for_keras_hub's repairs
+                status = cli.main(list(arguments))
+        except SystemExit as exit_:
+            status = exit_.code
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    return run_cli
+
+
+def test_help_and_env_start_without_a_backend():
+    """Measured (2 shared cores): 0.06-0.08 s each, against 8-12 s and six
+    TensorFlow log lines on 4aa2b83, which imported Keras and the backend."""
+    code = (
+        "import sys, time\n"
+        "start = time.perf_counter()\n"
+        "from keras_dist import cli\n"
+        "for arguments in (['--help'], ['plan', '--help'], ['launch', '--help'],"
+        " ['env', '--json']):\n"
+        "    try:\n"
+        "        cli.main(arguments)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = ('keras', 'jax', 'torch', 'tensorflow', 'numpy')\n"
+        "print('HEAVY', sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    # Simulated devices start the backend at import, by design: a user's
+    # shell does not set them.
+    environment = {
+        k: v for k, v in os.environ.items() if k not in ("KERAS_DIST_CPU_DEVICES",)
+    }
+    environment.pop("TF_CPP_MIN_LOG_LEVEL", None)  # TensorFlow would print
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environment,
+        cwd=ROOT,
+    )
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "HEAVY []"
+    assert "usage: keras-dist plan" in done.stdout
+    assert done.stderr == ""  # no backend log lines
+    assert elapsed < 30, f"help and env took {elapsed:.1f} s"
+
+
+def test_plan_refuses_an_unbuilt_model_naming_the_flag(run):
+    status, out, err = run(
+        *PLAN, "tests.workers.plan_models:unbuilt_mlp", "--device-memory", "1MiB"
+    )
+    assert status == 1
+    assert "No problems found" not in out
+    assert "'unbuilt' (Sequential) that tests.workers.plan_models:unbuilt_mlp" in err
+    assert "is not built" in err and "--input-shape 1024" in err
+    assert "input_shape" not in err
+    # Built from --input-shape: two Dense(4096) do not fit 1 MiB.
+    status, out, err = run(
+        *PLAN,
+        "tests.workers.plan_models:unbuilt_mlp",
+        "--device-memory",
+        "1MiB",
+        "--input-shape",
+        "4096",
+        "--json",
+    )
+    assert status == 1, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert [p["kind"] for p in report["problems"]] == ["out-of-memory"]
+    assert report["devices"][0]["parameters"] == 4 * 2 * (4096 * 4096 + 4096)
+
+
+def test_plan_keras_hub_llama_clean_with_for_keras_hub_sized_by_sequence(run):
+    pytest.importorskip("keras_hub")
+    command = [
+        "plan",
+        "tests.workers.plan_models:llama",
+        "--mesh",
+        "2,4",
+        "--axes",
+        "batch,model",
+        "--fsdp",
+        "--batch-size",
+        "8",
+        "--sequence-length",
+        "128",
+        "--json",
+    ]
+    status, out, err = run(
+        *command, "--layout-map", "tests.workers.plan_models:llama_keras_hub_layout"
+    )
+    assert status == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["problems"] == []
+    # (8, 128) int32 inputs, four (8, 128, 16) float32 outputs, over 2 rows.
+    expected = (2 * 8 * 128 * 4 + 4 * 8 * 128 * 16 * 4) // 2
+    assert report["devices"][0]["activations"] == expected
+    # KerasHub's own map is swapped (keras-hub#2827): reported, exit 1.
+    status, out, err = run(
+        *command, "--layout-map", "tests.workers.plan_models:llama_own_layout"
+    )
+    assert status == 1
+    assert "6 problem(s): swapped-axes" in err
+
+
+def test_plan_errors_say_the_flags(run):
+    # 256 columns do not split 3 ways: the refusal says the flag to pass.
+    status, _, err = run(
+        "plan",
+        "tests.workers.plan_models:mlp",
+        "--mesh",
+        "1,3",
+        "--axes",
+        "batch,model",
+        "--layout-map",
+        "tests.workers.plan_models:mlp_clean_layout_map",
+    )
+    assert status == 1
+    assert "pass --on-indivisible replicate to plan them replicated" in err
+    assert "on_indivisible" not in err
+    status, _, err = run(
+        *PLAN, "tests.workers.plan_models:llama", "--sequence-length", "0"
+    )
+    assert status == 1
+    assert (
+        "`--sequence-length` must be at least 1. Received: --sequence-length 0" in err
+    )
+    status, _, err = run(*PLAN, "tests.workers.plan_models:mlp", "--input-shape", "x")
+    assert status == 2
+    assert "--input-shape takes the shape of one sample" in err
+    status, _, err = run(
+        *PLAN,
+        "tests.workers.plan_models:mlp",
+        "--input-shape",
+        "8",
+        "--input-shape",
+        "a=8",
+    )
+    assert status == 2
+    assert "--input-shape takes one SHAPE, or NAME=SHAPE once per input" in err
+    status, _, err = run(
+        "plan", "tests.workers.plan_models:mlp", "--mesh", "2x4", "--axes", "a"
+    )
+    assert status == 2
+    assert "--mesh takes sizes such as 2,4. Received: --mesh '2x4'" in err
+    # NAME=SHAPE for each input of a KerasHub backbone.
+    pytest.importorskip("keras_hub")
+    status, out, err = run(
+        *PLAN,
+        "tests.workers.plan_models:llama",
+        "--batch-size",
+        "2",
+        "--input-shape",
+        "token_ids=8",
+        "--input-shape",
+        "padding_mask=8",
+        "--json",
+    )
+    assert status == 0, err
+    activations = json.loads(out.strip().splitlines()[-1])["devices"][0]["activations"]
+    assert activations == 2 * (2 * 8 * 4) + 4 * (2 * 8 * 16 * 4)
+    status, _, err = run(
+        "plan", "tests.workers.plan_models:mlp", "--mesh", "2,4", "--axes", "batch"
+    )
+    assert status == 2
+    assert "--axes takes one distinct name per size of --mesh" in err
+    status, out, _ = run(*PLAN, "tests.workers.plan_models:mlp")
+    assert status == 0
+    assert "pass --batch-size for one" in out and "batch_size=" not in out
+
+
+def test_launch_errors_say_the_flags(run, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    cases = [
+        (
+            ["--nproc-per-node", "0"],
+            "`--nproc-per-node` must be at least 1. Received: --nproc-per-node 0",
+        ),
+        (
+            ["--nproc-per-node", "1", "--nnodes", "2"],
+            "the node with --node-rank 0 that every node can reach), passed as "
+            "--coordinator. Received: no --coordinator",
+        ),
+        (
+            ["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2"],
+            "`--node-rank` must be in [0, 1] for a job of 2 node(s). Received: "
+            "--node-rank 2",
+        ),
+        (
+            ["--nproc-per-node", "1", "--coordinator", "nowhere"],
+            "`--coordinator` looks like 'host:port'",
+        ),
+        (
+            ["--nproc-per-node", "1", "--grace-period", "0"],
+            "`--grace-period` must be positive. Received: --grace-period 0.0",
+        ),
+        (
+            ["--nproc-per-node", "1", "--max-restarts", "-1"],
+            "`--max-restarts` must be at least 0. Received: --max-restarts -1",
+        ),
+    ]
+    for flags, expected in cases:
+        status, _, err = run("launch", *flags, str(script))
+        assert status == 2, (flags, err)
+        assert expected in err, (flags, err)
+        for name in ("nproc_per_node", "node_rank", "grace_period", "max_restarts"):
+            assert name not in err, (flags, err)
