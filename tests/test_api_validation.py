@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import warnings
 
 import keras
@@ -19,7 +21,7 @@ import pytest
 import keras_dist as kd
 from keras_dist import cluster
 from keras_dist.backends import get_adapter
-from keras_dist.common import job
+from keras_dist.common import job, simulated_devices
 from keras_dist.keras_compat.distribution import KerasDistribution
 from keras_dist.runtime import api as runtime
 from keras_dist.runtime import device_simulation
@@ -994,3 +996,121 @@ def test_requested_cpu_devices_reads_the_process_environment(monkeypatch):
         device_simulation.requested_cpu_devices()
     monkeypatch.setenv("KERAS_DIST_CPU_DEVICES", "3")
     assert device_simulation.requested_cpu_devices() == 3
+
+
+# -- KERAS_DIST_CPU_DEVICES after the backend started (issue 25, item 8) -----------
+# What starts each backend's runtime, in a fresh process.
+FIRST_WORK = {
+    "jax": "import jax\njax.numpy.ones(2).sum()\n",
+    "tensorflow": "import tensorflow as tf\ntf.constant([1.0, 2.0]) * 2\n",
+}
+
+
+def _run_fresh(code: str, environment: dict[str, str]) -> str:
+    """`code` in a fresh Python: its stderr (it must fail)."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name != "KERAS_DIST_CPU_DEVICES"
+    }
+    env.update(KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="3", **environment)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode != 0, done.stdout[-2000:]
+    return " ".join(done.stderr.split())  # one line: the message wraps nowhere
+
+
+@pytest.mark.backend("jax", "tensorflow")
+def test_devices_set_after_the_first_computation_name_that_as_the_cause():
+    code = (
+        FIRST_WORK[BACKEND]
+        + "import os\nos.environ['KERAS_DIST_CPU_DEVICES'] = '4'\nimport keras_dist\n"
+    )
+    message = _run_fresh(code, {})
+    backend = {"jax": "JAX", "tensorflow": "TensorFlow"}[BACKEND]
+    work = {"jax": "JAX computation", "tensorflow": "TensorFlow operation"}[BACKEND]
+    assert (
+        f"RuntimeError: KERAS_DIST_CPU_DEVICES=4 came too late: {backend} had "
+        "already started, with 1 CPU device(s), when keras_dist applied it. The "
+        "variable was set while the program ran (this process started without it)"
+    ) in message
+    assert f"Set it, and import keras_dist, before the first {work}" in message
+
+
+@pytest.mark.backend("jax", "tensorflow")
+def test_devices_set_at_start_but_imported_late_name_the_import_as_the_cause():
+    message = _run_fresh(
+        FIRST_WORK[BACKEND] + "import keras_dist\n", {"KERAS_DIST_CPU_DEVICES": "4"}
+    )
+    work = {"jax": "JAX computation", "tensorflow": "TensorFlow operation"}[BACKEND]
+    assert "KERAS_DIST_CPU_DEVICES=4 came too late" in message
+    assert (
+        "The variable was set when this process started, but keras_dist applies "
+        f"it when it is imported, and it was imported after the first {work}. "
+        f"Import keras_dist before the first {work}"
+    ) in message
+    # Not the old advice, wrong here: the variable was set before anything ran.
+    assert "Set the variable before" not in message
+
+
+def test_where_the_initial_environment_cannot_be_read_both_fixes_are_named(tmp_path):
+    initial = tmp_path / "environ"
+    initial.write_bytes(b"HOME=/root\0KERAS_DIST_CPU_DEVICES= 04 \0")
+    assert simulated_devices.set_when_the_process_started(4, path=str(initial))
+    assert not simulated_devices.set_when_the_process_started(8, path=str(initial))
+    initial.write_bytes(b"HOME=/root\0")
+    assert simulated_devices.set_when_the_process_started(4, path=str(initial)) is False
+    missing = str(tmp_path / "missing")
+    assert simulated_devices.set_when_the_process_started(4, path=missing) is None
+    message = simulated_devices.too_late_message(
+        backend="JAX",
+        requested=4,
+        present=1,
+        first_work="JAX computation",
+        examples="jax.numpy",
+        set_at_start=None,
+    )
+    assert message == (
+        "KERAS_DIST_CPU_DEVICES=4 came too late: JAX had already started, with 1 "
+        "CPU device(s), when keras_dist applied it (at import keras_dist). Set the "
+        "variable, and import keras_dist, before the first JAX computation "
+        "(jax.numpy)."
+    )
+
+
+@pytest.mark.backend("jax")
+def test_a_jax_refusal_that_is_not_a_started_runtime_says_what_jax_said(monkeypatch):
+    import jax  # noqa: PLC0415
+    from jax._src import xla_bridge  # noqa: PLC0415
+
+    def refuse(name, value):
+        raise RuntimeError("no such CPU client")
+
+    monkeypatch.setattr(jax.config, "update", refuse)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="no such CPU client") as info:
+        get_adapter().simulate_cpu_devices(4)
+    assert "could not simulate 4 CPU devices" in str(info.value)
+    assert "too late" not in str(info.value)
+
+
+@pytest.mark.backend("tensorflow")
+def test_a_tensorflow_refusal_that_is_not_a_started_runtime_says_what_tf_said(
+    monkeypatch,
+):
+    import tensorflow as tf  # noqa: PLC0415
+
+    def refuse(device, configuration):
+        raise RuntimeError("no logical devices here")
+
+    monkeypatch.setattr(tf.config, "set_logical_device_configuration", refuse)
+    with pytest.raises(RuntimeError, match="no logical devices here") as info:
+        get_adapter().simulate_cpu_devices(4)
+    assert "could not simulate 4 CPU devices" in str(info.value)
+    assert "too late" not in str(info.value)

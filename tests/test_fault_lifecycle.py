@@ -106,6 +106,12 @@ class Job:
             line for line in self.log().splitlines() if line.startswith("keras-dist:")
         ]
 
+    def assert_root_cause_last(self, root: int, cause: str) -> None:
+        """The launcher's summary, naming rank `root` and `cause` (a regex),
+        is the last line; whatever the other rank printed after the fault
+        comes before it, under the line that labels it a consequence."""
+        assert_root_cause_last(self.log(), root, cause)
+
     def pid(self, name: str) -> int:
         return int((self.state / name).read_text())
 
@@ -157,6 +163,37 @@ class Job:
             assert not [name for name in files if name.startswith(".")], files
 
 
+def assert_root_cause_last(log: str, root: int, cause: str) -> None:
+    """See `Job.assert_root_cause_last` (2 ranks)."""
+    other = 1 - root
+    lines = log.splitlines()
+    messages = [i for i, line in enumerate(lines) if line.startswith("keras-dist:")]
+    assert messages and messages[-1] == len(lines) - 1, log[-6000:]
+    assert re.fullmatch(
+        f"keras-dist: {cause}(: the root cause(; rank {other} failed after it, as "
+        'a consequence)?( \\(the collective errors above, ".+", come from losing '
+        f"rank {root} in the middle of a collective, not from a mismatch or a bug "
+        "in your code\\))?)?; stopped the other [01] process\\(es\\)",
+        lines[-1],
+    ), log[-6000:]
+    errors = [
+        i
+        for i, line in enumerate(lines)
+        if line.startswith(f"[rank {other}]")
+        and re.search("Traceback|Error|terminate called|gloo", line)
+    ]
+    if not errors:
+        assert len(messages) == 1, log[-6000:]
+        return
+    # The other rank's errors are all labelled: they follow the header.
+    assert len(messages) == 2, log[-6000:]
+    assert lines[messages[0]] == (
+        f"keras-dist: rank {other} printed what follows after rank {root} "
+        "failed: a consequence of that failure, which the last line names"
+    ), log[-6000:]
+    assert min(errors) > messages[0], log[-6000:]
+
+
 @pytest.fixture
 def job(tmp_path):
     jobs: list[Job] = []
@@ -185,13 +222,12 @@ def test_an_exception_on_one_rank_ends_the_job_naming_it(job, rank):
     assert ended - fault < END_BOUND_SECONDS
     assert code == 1, started.log()[-6000:]
     # The exception, not the error, abort or SIGTERM it caused on the other
-    # rank (which may have ended on its own already, or been stopped).
-    cause = f"rank {rank} failed: ValueError: rank {rank} raised in a callback"
-    assert len(started.messages()) == 1, started.log()[-6000:]
-    assert re.fullmatch(
-        f"keras-dist: {cause} at batch 0; stopped the other [01] process\\(es\\)",
-        started.messages()[0],
-    ), started.log()[-6000:]
+    # rank (which may have ended on its own already, or been stopped), which
+    # comes before, labelled a consequence.
+    started.assert_root_cause_last(
+        rank,
+        f"rank {rank} failed: ValueError: rank {rank} raised in a callback at batch 0",
+    )
     started.assert_nothing_left()
 
 
@@ -209,12 +245,35 @@ def test_kill_9_of_a_rank_at_a_random_moment_ends_the_job(job):
     assert ended - fault < END_BOUND_SECONDS
     assert code == 128 + signal.SIGKILL
     # Not the error this caused on the other rank, which may come first.
-    assert started.messages()[0].startswith(
-        f"keras-dist: rank {victim} was killed by signal SIGKILL; stopped the other "
-    ), started.log()[-6000:]
+    started.assert_root_cause_last(
+        victim, f"rank {victim} was killed by signal SIGKILL"
+    )
     # A killed writer cannot remove its unfinished save: the next save does
     # (keras_dist/saving.py).
     started.assert_nothing_left(checkpoints=victim != 0)
+
+
+@pytest.mark.backend("torch")
+def test_a_killed_torch_rank_is_the_root_cause_of_the_survivors_gloo_errors(job):
+    # Issue 25, item 10: the survivor's gloo errors ("Connection reset by peer
+    # ... bugs in the application", or "terminate called ... gloo::EnforceNotMet
+    # ... collective mismatch in your code?") blamed the user's code, and
+    # nothing said they were a consequence.
+    started = job("train")
+    started.wait_until_training()
+
+    os.kill(started.pid("pid-1"), signal.SIGKILL)
+    code, _ = started.wait_for_the_end()
+
+    assert code == 128 + signal.SIGKILL
+    started.assert_root_cause_last(1, "rank 1 was killed by signal SIGKILL")
+    summary = started.log().splitlines()[-1]
+    assert summary.startswith(
+        "keras-dist: rank 1 was killed by signal SIGKILL: the root cause; rank 0 "
+        "failed after it, as a consequence (the collective errors above, "
+    ), started.log()[-6000:]
+    assert "not from a mismatch or a bug in your code" in summary
+    started.assert_nothing_left(checkpoints=True)
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_at_once(job):
@@ -353,10 +412,10 @@ def test_the_first_rank_to_fail_is_named_with_its_exception(tmp_path):
     )
 
     assert exit_code == 1
-    assert (
-        "keras-dist: rank 1 failed: ValueError: the first failure; "
-        "stopped the other 0 process(es)"
-    ) in err
+    assert err.splitlines()[-1] == (
+        "keras-dist: rank 1 failed: ValueError: the first failure: the root cause; "
+        "rank 0 failed after it, as a consequence; stopped the other 0 process(es)"
+    )
 
 
 def test_an_exception_is_not_reported_as_the_abort_it_caused(tmp_path):
@@ -375,10 +434,11 @@ def test_an_exception_is_not_reported_as_the_abort_it_caused(tmp_path):
     )
 
     assert exit_code == 1
-    assert (
-        "keras-dist: rank 0 failed: ValueError: the first failure; "
-        "stopped the other 1 process(es)"
-    ) in err
+    # Rank 1's abort is a consequence, though rank 1 ended first.
+    assert err.splitlines()[-1] == (
+        "keras-dist: rank 0 failed: ValueError: the first failure: the root cause; "
+        "rank 1 failed after it, as a consequence; stopped the other 1 process(es)"
+    )
 
 
 def test_a_launcher_removes_the_job_directories_of_killed_launchers(

@@ -597,3 +597,70 @@ def test_launched_jax_processes_join_one_job(tmp_path):
 
     assert result.returncode == 0, result.stderr
     assert rank_lines(result.stdout) == {0: ["2 0"], 1: ["2 1"]}
+
+
+# -- a lost rank is the root cause, the others' noise its consequence (issue 25, 10)
+GLOO_TERMINATE = (
+    "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+    "  what():  [enforce fail at /pytorch/third_party/gloo/gloo/transport/tcp/"
+    "pair.cc:446] op.preamble.length <= op.nbytes. 8 vs 4. Received data size "
+    "doesn't match expected size. Is there a distributed collective mismatch in "
+    "your code?\n"
+)
+
+# Rank 1 sends half a message to rank 0 over loopback and is SIGKILLed; rank 0,
+# blocked reading it, reacts as gloo's C++ thread does when a peer dies mid-
+# collective: the terminate text on stderr at once, then an abort.
+LOST_PEER = f"""
+import os, pathlib, signal, socket, sys, time
+folder = pathlib.Path(sys.argv[1])
+if os.environ["RANK"] == "0":
+    server = socket.create_server(("127.0.0.1", 0))
+    (folder / "port.tmp").write_text(str(server.getsockname()[1]))
+    (folder / "port.tmp").rename(folder / "port")
+    print("rank 0 trains", flush=True)
+    peer, _ = server.accept()
+    peer.settimeout(60)
+    while peer.recv(4096):
+        pass
+    sys.stderr.write({GLOO_TERMINATE!r})
+    sys.stderr.flush()
+    os.abort()
+deadline = time.monotonic() + 60
+while not (folder / "port").exists() and time.monotonic() < deadline:
+    time.sleep(0.01)
+connection = socket.create_connection(("127.0.0.1", int((folder / "port").read_text())))
+connection.sendall(b"half")
+time.sleep(0.3)  # rank 0's line before the fault is written as it came
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_lost_rank_is_the_root_cause_and_the_others_noise_its_consequence(
+    tmp_path, capfd
+):
+    folder = tmp_path / "state"
+    folder.mkdir()
+    script = write_script(tmp_path, LOST_PEER)
+
+    exit_code, out, err = run_cli(["--nproc-per-node", "2", script, str(folder)], capfd)
+
+    assert exit_code == 128 + signal.SIGKILL
+    # What rank 0 printed before the fault came as it was printed.
+    assert "[rank 0] rank 0 trains" in out.splitlines()
+    lines = err.splitlines()
+    header = lines.index(
+        "keras-dist: rank 0 printed what follows after rank 1 failed: a "
+        "consequence of that failure, which the last line names"
+    )
+    # gloo's text comes after the label, none before it, and the launcher's
+    # summary, which names the lost rank as the root cause, comes last.
+    noise = [i for i, line in enumerate(lines) if "gloo" in line or "mismatch" in line]
+    assert noise and min(noise) > header, err
+    assert lines[-1] == (
+        "keras-dist: rank 1 was killed by signal SIGKILL: the root cause; rank 0 "
+        'failed after it, as a consequence (the collective errors above, "Is '
+        'there a distributed collective mismatch in your code?", come from losing '
+        "rank 1 in the middle of a collective, not from a mismatch or a bug in "
+        "your code); stopped the other 0 process(es)"
+    ), err

@@ -2,7 +2,8 @@
 only, so that the launcher starts without Keras or a backend.
 
 `environments` (the cluster environments and their detection), `addresses`
-(`host:port`, free ports), `launcher` (`keras-dist launch`), `job_dir` (the
+(`host:port`, free ports), `launcher` (`keras-dist launch`), `rank_output`
+(its ranks' output, labelled after a failure), `job_dir` (the
 job directory and the variables the launcher sets), `hang_doctor` (naming the
 ranks a stalled job waits for), `roll_call` (every process checks in at the
 coordinator), `rendezvous` (every process' address for TensorFlow) and

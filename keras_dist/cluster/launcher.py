@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import BinaryIO, TextIO
+from typing import TextIO
 
 from keras_dist.cluster import hang_doctor
 from keras_dist.cluster.addresses import (
@@ -37,6 +37,7 @@ from keras_dist.cluster.job_dir import (
     read_error_report,
     remove_stale_job_directories,
 )
+from keras_dist.cluster.rank_output import RankOutput
 
 DEFAULT_GRACE_PERIOD_SECONDS = 10.0
 # After the first failure, how long the other ranks get to end (and report)
@@ -275,7 +276,11 @@ class Launcher:
     names the root cause: the first rank to fail, with its uncaught exception
     (type and message, from its error report) or its exit code or signal,
     e.g. `keras-dist: rank 1 failed: ValueError: ...; stopped the other 1
-    process(es)`.
+    process(es)`. It is the last line: what the other ranks print from the
+    failure on (a torch rank that lost its peer prints gloo's errors, which
+    blame the user's code) is held and written before it, under a line that
+    labels it a consequence, and the summary says which ranks failed after the
+    root cause (`keras_dist.cluster.rank_output`).
 
     Args:
         config: what to start.
@@ -298,7 +303,9 @@ class Launcher:
         self.config = config
         self._stdout = stdout if stdout is not None else sys.stdout
         self._stderr = stderr if stderr is not None else sys.stderr
-        self._write_lock = threading.Lock()
+        self._output: RankOutput | None = None
+        # While the launcher stops ranks itself, their exits are no failures.
+        self._stopping = False
         self._stop_signals: list[int] = []
         self._wake = threading.Event()
         # SIGUSR1 (`sbatch --signal`, forwarded by srun) is passed on to the
@@ -315,6 +322,7 @@ class Launcher:
             130 or 143 when SIGINT or SIGTERM stopped the launcher.
         """
         previous_handlers = self._install_signal_handlers()
+        self._output = RankOutput(self._stdout, self._stderr)
         try:
             for attempt in range(self.config.max_restarts + 1):
                 exit_code, failure = self._run_attempt(attempt)
@@ -328,6 +336,7 @@ class Launcher:
                     )
             return exit_code
         finally:
+            self._output.close()
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
 
@@ -375,6 +384,7 @@ class Launcher:
             prefix=f"{JOB_DIRECTORY_PREFIX}{os.getpid()}_"
         )
         self._ranks = ranks
+        self._stopping = False
         try:
             for local_rank in range(self.config.nproc_per_node):
                 if self._stop_signals:
@@ -385,6 +395,8 @@ class Launcher:
             # Also reached on success and on an unexpected error: nothing the
             # ranks started may outlive the attempt.
             self._stop(ranks)
+            # Nothing a rank printed is lost, whatever ended the attempt.
+            self._output.release(None)
             shutil.rmtree(self._job_directory, ignore_errors=True)
 
     def _start(self, local_rank: int, coordinator: str, attempt: int) -> _RankProcess:
@@ -410,18 +422,14 @@ class Launcher:
             # Ranks end with the launcher, even when it is SIGKILLed.
             preexec_fn=set_parent_death_signal if _PRCTL is not None else None,
         )
-        prefix = f"[rank {rank}] ".encode()
         readers = [
             threading.Thread(
-                target=self._forward_lines,
-                args=(pipe, prefix, stream),
+                target=self._output.forward,
+                args=(pipe, rank, name),
                 name=f"keras-dist-rank-{rank}-{name}",
                 daemon=True,
             )
-            for pipe, stream, name in (
-                (process.stdout, self._stdout, "stdout"),
-                (process.stderr, self._stderr, "stderr"),
-            )
+            for pipe, name in ((process.stdout, "stdout"), (process.stderr, "stderr"))
         ]
         for reader in readers:
             reader.start()
@@ -436,7 +444,14 @@ class Launcher:
 
     def _wait_for_exit(self, rank: _RankProcess) -> None:
         rank.process.wait()
+        ended = time.monotonic()
         rank.exited_at = time.time()
+        if rank.process.returncode not in (0, PREEMPTED_EXIT_CODE) and not (
+            self._stopping
+        ):
+            # What the others print from now on is held until the root cause
+            # is named (`RankOutput`).
+            self._output.hold_from(ended)
         self._wake.set()
 
     def _watch(self, ranks: list[_RankProcess]) -> tuple[int, str | None]:
@@ -453,9 +468,21 @@ class Launcher:
             failed = [r for r in ranks if r.exited_at and r.process.returncode != 0]
             if failed:
                 self._wait_for_others(ranks)
-                exit_code, failure = self._root_cause(ranks)
+                root, exit_code, failure = self._root_cause(ranks)
+                # The ranks that failed on their own after the root cause.
+                after = [
+                    r.rank
+                    for r in ranks
+                    if r.rank != root
+                    and r.exited_at
+                    and r.process.returncode not in (0, PREEMPTED_EXIT_CODE)
+                ]
                 stopped = self._stop(ranks)
-                self._message(f"{failure}; stopped the other {stopped} process(es)")
+                # The others' output since the failure, labelled, then the
+                # summary: the root cause is the last thing a user reads.
+                self._message(
+                    self._output.release_after_failure(root, failure, after, stopped)
+                )
                 return exit_code, failure
             hang = self._check_hang(ranks)
             if hang is not None:
@@ -497,8 +524,8 @@ class Launcher:
             self._wake.wait(_POLL_SECONDS)
             self._wake.clear()
 
-    def _root_cause(self, ranks: list[_RankProcess]) -> tuple[int, str]:
-        """`(exit code, message)` of the first rank that failed, named by its
+    def _root_cause(self, ranks: list[_RankProcess]) -> tuple[int, int, str]:
+        """`(rank, exit code, message)` of the first rank that failed, named by its
         error report (its uncaught exception) when it wrote one, else by its
         exit code or signal.
 
@@ -521,16 +548,16 @@ class Launcher:
                 report["rank"] = rank.rank
                 ended = rank.exited_at or report["timestamp"]
                 code = _exit_code(returncode) if returncode else 1
-                causes.append((ended, code, describe_error_report(report)))
+                causes.append((ended, rank.rank, code, describe_error_report(report)))
             elif returncode:
                 failure = describe_exit(rank.rank, returncode)
                 if -returncode in _SIGNALS_FROM_OUTSIDE:
                     ended = -math.inf  # before anything it may have caused
                 else:
                     ended = rank.exited_at
-                causes.append((ended, _exit_code(returncode), failure))
-        _, exit_code, failure = min(causes, key=lambda cause: cause[0])
-        return exit_code, failure
+                causes.append((ended, rank.rank, _exit_code(returncode), failure))
+        _, root, exit_code, failure = min(causes, key=lambda cause: cause[0])
+        return root, exit_code, failure
 
     def _stop(self, ranks: list[_RankProcess]) -> int:
         """SIGTERM every process group, SIGKILL after the grace period.
@@ -538,6 +565,7 @@ class Launcher:
         Returns:
             How many ranks were still running when asked to stop.
         """
+        self._stopping = True
         running = [r for r in ranks if r.process.poll() is None]
         if running:
             for rank in running:
@@ -571,33 +599,8 @@ class Launcher:
             for reader in rank.readers:
                 reader.join(max(0.0, deadline - time.monotonic()))
 
-    def _forward_lines(self, pipe: BinaryIO, prefix: bytes, stream: TextIO) -> None:
-        # Bytes, not text: a child's output need not be valid UTF-8.
-        with pipe:
-            for line in iter(pipe.readline, b""):
-                if not line.endswith(b"\n"):
-                    line += b"\n"
-                self._write(stream, prefix + line)
-
-    def _write(self, stream: TextIO, data: bytes) -> None:
-        # One lock for both streams keeps lines whole when ranks print at once.
-        with self._write_lock:
-            try:
-                buffer = getattr(stream, "buffer", None)
-                if buffer is not None:
-                    stream.flush()
-                    buffer.write(data)
-                    buffer.flush()
-                else:
-                    stream.write(data.decode(errors="replace"))
-                    stream.flush()
-            except (OSError, ValueError):
-                # A closed terminal or pipe must not stop draining the child,
-                # or it would block on a full pipe.
-                return
-
     def _message(self, text: str) -> None:
-        self._write(self._stderr, f"keras-dist: {text}\n".encode())
+        self._output.message(text)
 
 
 def _signal_group(process_group: int, signum: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import keras
 
+from keras_dist.keras_compat import batch_plans
 from keras_dist.keras_compat.data_adapters import adapter_epoch, set_adapter_epoch
 
 
@@ -129,6 +130,7 @@ def _new_iterator(self: Any) -> Iterator[Any]:
     iterator = iter(self._get_iterator())
     for _, after in list(_iterator_watcher):
         after()
+    _announce_batch_plan(self)
     if _batch_read_timers:
         return timed_reads(iterator)
     return iterator
@@ -160,6 +162,52 @@ def time_batch_reads(record: Callable[[float], None]) -> Callable[[], None]:
             _batch_read_timers.remove(reference)
 
     return stop
+
+
+# What to call with each new epoch iterator's batch plan (`watch_batch_plans`),
+# weak references as for the timers above.
+_plan_watchers: list[Callable[[], Callable[[Any, Any, str], None] | None]] = []
+
+
+def watch_batch_plans(
+    record: Callable[[Any, batch_plans.BatchPlan | None, str], None],
+) -> Callable[[], None]:
+    """Call `record(epoch_iterator, plan, input_type)` each time `fit`,
+    `evaluate` or `predict` makes an epoch's data iterator from now on (at
+    the start of an epoch, or when an iterator that outlives epochs,
+    `steps_per_epoch`, runs out), until the returned function is called or
+    `record`'s object is gone. `epoch_iterator` tells the calls' iterators
+    apart; `plan` is `batch_plans.batch_plan` of its data adapter: the rows of
+    the batches the new iterator yields in order, or None when Keras cannot
+    say; `input_type` names what the call was given."""
+    _install_epoch_start()
+    reference: Callable[[], Callable[[Any, Any, str], None] | None]
+    if inspect.ismethod(record):
+        reference = weakref.WeakMethod(record)
+    else:
+        reference = lambda: record  # noqa: E731
+    _plan_watchers.append(reference)
+
+    def stop() -> None:
+        with contextlib.suppress(ValueError):
+            _plan_watchers.remove(reference)
+
+    return stop
+
+
+def _announce_batch_plan(epoch_iterator: Any) -> None:
+    if not _plan_watchers:
+        return
+    adapter = epoch_iterator.data_adapter
+    plan = batch_plans.batch_plan(adapter)
+    kind = batch_plans.input_type(adapter)
+    for reference in list(_plan_watchers):
+        record = reference()
+        if record is None:
+            with contextlib.suppress(ValueError):
+                _plan_watchers.remove(reference)
+        else:
+            record(epoch_iterator, plan, kind)
 
 
 def timed_reads(iterator: Iterator[Any]) -> Iterator[Any]:
@@ -292,8 +340,8 @@ def set_initial_epoch(model: Any, epoch: int | None) -> None:
 
 
 def check() -> list[str]:
-    """What `start_next_epoch_at`, `watch_new_iterators`, `time_batch_reads`
-    and `set_initial_epoch` need."""
+    """What `start_next_epoch_at`, `watch_new_iterators`, `time_batch_reads`,
+    `watch_batch_plans` and `set_initial_epoch` need."""
     from keras.src.trainers.epoch_iterator import EpochIterator  # noqa: PLC0415
 
     missing = []
@@ -320,4 +368,8 @@ def check() -> list[str]:
     if super_batches and _execution_group() is None:
         # Keras 3.16 reads one item per execution: keras_dist hands it lists.
         missing.append("data_adapter_utils.PartialBatchList (steps_per_execution)")
-    return missing
+    if not hasattr(EpochIterator, "data_adapter") and "self.data_adapter" not in (
+        inspect.getsource(EpochIterator.__init__)
+    ):
+        missing.append("EpochIterator.data_adapter")
+    return missing + batch_plans.check()

@@ -1,5 +1,6 @@
 """One rank of a 2-process job that trains with `kd.callbacks.Throughput` while
-rank 1 sleeps after every step (tests/test_throughput.py).
+rank 1 sleeps after every step (tests/test_throughput.py), 2 epochs of 120 rows
+in global batches of 16: 7 full batches and one of 8.
 
 Usage: python throughput_worker.py OUTPUT_JSON
 
@@ -45,13 +46,13 @@ def main() -> None:
         ]
     )
     model.compile(optimizer="sgd", loss="mse")
-    x = np.random.default_rng(0).normal(size=(128, 8)).astype("float32")
+    x = np.random.default_rng(0).normal(size=(120, 8)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
     history = model.fit(
         x,
         y,
         batch_size=16,
-        epochs=1,
+        epochs=2,
         verbose=0,
         callbacks=[
             kd.DistributeCallback(kd.DataParallel()),

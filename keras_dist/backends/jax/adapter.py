@@ -74,15 +74,34 @@ class JaxAdapter(BackendAdapter):
     name = "jax"
 
     def simulate_cpu_devices(self, count: int) -> None:
+        # Imported here: this method is all of the adapter that needs it.
+        from jax._src import xla_bridge  # noqa: PLC0415
+
+        from keras_dist.common import simulated_devices  # noqa: PLC0415
+
         try:
             jax.config.update("jax_num_cpu_devices", count)
-        except RuntimeError:
+        except RuntimeError as error:
+            started = getattr(xla_bridge, "backends_are_initialized", None)
+            if started is not None and not started():
+                # Not the runtime having started: say what JAX said.
+                raise RuntimeError(
+                    f"keras_dist could not simulate {count} CPU devices "
+                    f"(KERAS_DIST_CPU_DEVICES={count}) on JAX: {error}"
+                ) from error
             present = jax.local_device_count("cpu")
             if present != count:
                 raise RuntimeError(
-                    f"KERAS_DIST_CPU_DEVICES={count} came too late: JAX already "
-                    f"started with {present} CPU devices. Set the variable before "
-                    "the first JAX computation."
+                    simulated_devices.too_late_message(
+                        backend="JAX",
+                        requested=count,
+                        present=present,
+                        first_work="JAX computation",
+                        examples="jax.numpy, a Keras op, jax.devices()",
+                        set_at_start=simulated_devices.set_when_the_process_started(
+                            count
+                        ),
+                    )
                 ) from None
 
     def list_devices(self, device_type: str | None = None) -> list[str]:

@@ -92,18 +92,34 @@ class TensorFlowAdapter(BackendAdapter):
         self._keras_order = False
 
     def simulate_cpu_devices(self, count: int) -> None:
+        # Imported here: this method is all of the adapter that needs it.
+        from keras_dist.common import simulated_devices  # noqa: PLC0415
+
         cpus = tf.config.list_physical_devices("CPU")
         try:
             tf.config.set_logical_device_configuration(
                 cpus[0], [tf.config.LogicalDeviceConfiguration()] * count
             )
-        except RuntimeError:
+        except RuntimeError as error:
+            if "after being initialized" not in str(error):
+                # Not the runtime having started: say what TensorFlow said.
+                raise RuntimeError(
+                    f"keras_dist could not simulate {count} CPU devices "
+                    f"(KERAS_DIST_CPU_DEVICES={count}) on TensorFlow: {error}"
+                ) from error
             present = len(tf.config.list_logical_devices("CPU"))
             if present != count:
                 raise RuntimeError(
-                    f"KERAS_DIST_CPU_DEVICES={count} came too late: TensorFlow "
-                    f"already started with {present} CPU devices. Set the "
-                    "variable before the first TensorFlow operation."
+                    simulated_devices.too_late_message(
+                        backend="TensorFlow",
+                        requested=count,
+                        present=present,
+                        first_work="TensorFlow operation",
+                        examples="a tensor, a Keras op, a device query",
+                        set_at_start=simulated_devices.set_when_the_process_started(
+                            count
+                        ),
+                    )
                 ) from None
 
     def _local_devices(self, device_type: str | None) -> list[str]:
