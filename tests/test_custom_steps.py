@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from keras_dist.keras_compat import versions
 from tests.conftest import BACKEND
 from tests.multiprocess import WORKERS, run_job
 
@@ -43,7 +44,25 @@ def test_user_step_matches_plain_keras_on_devices(name):
         pytest.skip(_skip_reason(name))
     plain = custom_step_models.train(name)
     ours = custom_step_models.train(name, kd.DataParallel())
-    custom_step_models.assert_same(ours, plain)
+    custom_step_models.assert_same(ours, plain, except_logs=_per_output_losses(name))
+
+
+def _per_output_losses(name: str) -> frozenset:
+    """The per-output loss logs not compared with plain Keras 3.16 on
+    TensorFlow. Its trainer weighs each output's loss tracker by
+    `y_pred.shape[0]` as traced: 8 for the full batches (traced with a static
+    batch dimension) and 1 for the short last one (traced again, dimension
+    unknown, so no weight). That figure is neither the row-weighted mean nor
+    3.15's mean of the batch means; keras_dist's 8 replicas trace other shapes.
+    The weights and the total `loss`, `val_loss` and evaluate loss are still
+    compared (docs/supported-versions.md, known differences)."""
+    if name != "multi_output" or BACKEND != "tensorflow":
+        return frozenset()
+    if versions.keras_version() < (3, 16):
+        return frozenset()
+    return frozenset(
+        f"{prefix}{output}_loss" for prefix in ("", "val_") for output in ("cls", "reg")
+    )
 
 
 @pytest.fixture(scope="module")

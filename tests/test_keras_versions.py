@@ -310,3 +310,26 @@ def test_a_model_built_in_a_model_parallel_scope_trains_as_on_keras_3_15(
         assert result["history"]["val_rows"] == [scenarios.VAL_ROWS] * scenarios.EPOCHS
         _assert_parity(result, plain_keras)
         assert result["torch"]["ddp_wrappers"] == 0  # DTensor brings its collectives
+
+
+@pytest.mark.backend("torch")
+def test_keras_dist_own_process_group_leaves_plain_keras_models_alone():
+    """A one-process job's DTensor layouts need a process group, which
+    keras_dist makes itself; Keras 3.16 wraps every model in DDP while a group
+    exists. Plain Keras models in that process must not see it: an unbuilt
+    model's first predict failed (`DistributedDataParallel is not needed ...`)
+    after any keras_dist ModelParallel run in the process."""
+    import torch.distributed as torch_distributed
+
+    from keras_dist.backends.torch import placements
+
+    placements.torch_mesh(kd.DeviceMesh((1,), ["model"], kd.list_devices()[:1]))
+    assert torch_distributed.is_initialized()
+    model = keras.Sequential([keras.layers.Dense(3)])
+    x = np.ones((4, 2), "float32")
+    np.testing.assert_allclose(
+        model.predict(x, verbose=0), keras.ops.convert_to_numpy(model(x)), atol=1e-6
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, np.zeros((4, 3)), verbose=0)
+    assert getattr(model, "ddp_model", None) is None

@@ -84,6 +84,29 @@ def lend_ddp(model: Any, ddp: Any | None) -> Callable[[], None]:
     return undo
 
 
+def keep_keras_from_wrapping_over(is_own_group: Callable[[], bool]) -> None:
+    """Keras wraps no model in DDP while `is_own_group()` is true: the default
+    process group is keras_dist's own one-process group (torch's DeviceMesh
+    needs a group; a one-process job never asked for one). Without this, once
+    keras_dist made it, every plain Keras model in the process got Keras' DDP
+    on its first call, and an unbuilt model's first `predict` failed (`DDP is
+    not needed when a module doesn't have any parameter`). Idempotent; nothing
+    on a Keras that does not wrap."""
+    trainer = _trainer()
+    original = _own(trainer, "_initialize_ddp")
+    if original is None or hasattr(original, "_keras_dist_original"):
+        return
+
+    @functools.wraps(original)
+    def _initialize_ddp(self: Any) -> None:
+        if is_own_group():
+            return
+        original(self)
+
+    _initialize_ddp._keras_dist_original = original
+    trainer._initialize_ddp = _initialize_ddp
+
+
 # -- metric states summed once -----------------------------------------------------
 def keras_sums_metrics() -> bool:
     """Whether Keras' torch trainer sums the metric states over the processes

@@ -22,6 +22,8 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 
+from keras_dist.keras_compat import torch_trainer
+
 _meshes: dict[tuple, TorchDeviceMesh] = {}
 
 
@@ -73,6 +75,19 @@ def mesh_ranks(device_mesh: Any, world_size: int) -> np.ndarray:
     return np.asarray(ranks, dtype=np.int64).reshape(shape)
 
 
+_own_group: Any = None
+
+
+def _is_own_group() -> bool:
+    """Whether the default process group is the one-process group
+    `_ensure_process_group` made (not a job's)."""
+    return (
+        _own_group is not None
+        and torch_distributed.is_initialized()
+        and torch_distributed.group.WORLD is _own_group
+    )
+
+
 def _ensure_process_group() -> None:
     """A one-process job gets a one-process group (an in-memory store, no
     port), which torch's DeviceMesh needs; a multi-process job must have
@@ -83,6 +98,11 @@ def _ensure_process_group() -> None:
     torch_distributed.init_process_group(
         backend, store=torch_distributed.HashStore(), rank=0, world_size=1
     )
+    global _own_group
+    _own_group = torch_distributed.group.WORLD
+    # Plain Keras models in this process must not see a job (Keras 3.16 wraps
+    # a model in DDP whenever a group exists).
+    torch_trainer.keep_keras_from_wrapping_over(_is_own_group)
     # As after `keras_dist.initialize()`: gloo may abort the interpreter at
     # exit without this.
     atexit.register(torch_distributed.destroy_process_group)
