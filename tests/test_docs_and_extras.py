@@ -142,3 +142,22 @@ def test_keras_hub_imports_with_what_the_test_extra_brings():
     assert {"regex", "tokenizers"} <= set(extras["test"])
     readme = " ".join((REPO / "README.md").read_text().split())
     assert "the two it needs to import, `regex` and `tokenizers`" in readme
+
+
+def test_every_test_the_keras_nightly_run_names_exists():
+    """tests/keras_nightly_tests.txt names files and test functions by hand: a
+    renamed test must fail here, not drop out of the nightly run unseen."""
+    listed = [
+        line.strip()
+        for line in (REPO / "tests" / "keras_nightly_tests.txt")
+        .read_text()
+        .splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert listed
+    for entry in listed:
+        path, _, function = entry.partition("::")
+        source = REPO / path
+        assert source.is_file(), entry
+        if function:
+            assert re.search(rf"^def {function}\(", source.read_text(), re.M), entry

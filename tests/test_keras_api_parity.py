@@ -431,3 +431,34 @@ def test_mesh_empty_axis_name_raises_value_error():
     with pytest.raises(ValueError, match="non-empty string") as info:
         kd.DeviceMesh((COUNT,), [""], DEVICES)
     assert "axis_names=['']" in str(info.value)
+
+
+@pytest.mark.backend("torch")
+def test_weights_without_a_gradient_train_as_in_plain_keras_on_one_torch_process():
+    """A weight the loss never reaches (a second head the model does not call)
+    gets no gradient; plain Keras trains the rest (its optimizer skips it). One
+    process has no DDP, so keras_dist must not refuse it (issue 25, item 12)."""
+
+    class TwoHeads(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.used = keras.layers.Dense(1, name="used")
+            self.unused = keras.layers.Dense(1, name="unused")
+
+        def call(self, x):
+            return self.used(x)
+
+    def train(callbacks: list) -> list[np.ndarray]:
+        keras.utils.set_random_seed(3)
+        model = TwoHeads()
+        model(np.zeros((1, 6), "float32"))
+        model.unused(np.zeros((1, 6), "float32"))
+        model.compile(optimizer="adam", loss="mse")
+        x = np.random.default_rng(0).normal(size=(30, 6)).astype("float32")
+        model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, callbacks=callbacks)
+        return model.get_weights()
+
+    plain = train([])
+    ours = train([kd.DistributeCallback(kd.DataParallel())])
+    for got, expected in zip(ours, plain, strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)

@@ -462,7 +462,11 @@ def make_steps(
                 loss.backward()
             if first_step[0]:
                 first_step[0] = False
-                error = _unused_weights_error(model)
+                # One process has no DDP: weights without a gradient are left
+                # as plain Keras leaves them (its optimizer skips them).
+                error = (
+                    _unused_weights_error(model) if collectives.world_size > 1 else None
+                )
                 if error is not None:
                     raise error
             with collectives.no_grad():
