@@ -32,7 +32,22 @@ def _skip_reason(name: str) -> str | None:
     if BACKEND == "jax" and name == "two_optimizers":
         # Keras' JAX trainer hands a step only `model.optimizer`'s variables.
         return "Keras' JAX steps are stateless with one optimizer's state"
+    if BACKEND == "tensorflow" and name == "output_loss":
+        # Its replicas get padded batches: a term over y_pred sees the padding
+        # rows, as documented and warned (test below).
+        return "TensorFlow pads uneven batches: tested by the warning it gives"
     return None
+
+
+@pytest.mark.backend("tensorflow")
+def test_a_loss_term_of_its_own_on_padded_rows_is_warned_on_tensorflow():
+    """An own `compute_loss` is the user's step: on TensorFlow its replicas get
+    the padded global batch, and a term it computes from `y_pred` alone counts
+    the padding rows. Never silently: the padding warning names the step."""
+    import keras_dist as kd  # noqa: PLC0415
+
+    with pytest.warns(UserWarning, match=r"padded a global batch of 12 rows to 16"):
+        custom_step_models.train("output_loss", kd.DataParallel())
 
 
 @pytest.mark.backend("jax", "tensorflow")

@@ -250,6 +250,18 @@ class OwnLossModel(keras.Model):
         return loss + 0.01 * ops.sum(ops.square(self.trainable_variables[0]))
 
 
+class OutputLossModel(keras.Model):
+    """A term of its own over the predictions' rows (issue 25, item 11):
+    padding rows must not enter it."""
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        zeros = ops.zeros_like(y_pred)
+        return loss + 0.5 * keras.losses.MeanSquaredError()(zeros, y_pred)
+
+
 class EvaluatePredictModel(keras.Model):
     def test_step(self, data: Any) -> dict:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -360,6 +372,10 @@ def train(name: str, distribution: Any = None) -> dict:
             validation_data=(x[:13], y[:13]),
             **fit_kwargs,
         )
+    elif name == "output_loss":
+        model = _network(OutputLossModel)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+        history = model.fit(x, y, verbose=0, callbacks=callbacks, **fit_kwargs)
     elif name == "evaluate_predict":
         model = _network(
             JaxEvaluatePredictModel if BACKEND == "jax" else EvaluatePredictModel
@@ -423,6 +439,7 @@ SCENARIOS = (
     "tracker",
     "two_optimizers",
     "own_loss",
+    "output_loss",
     "evaluate_predict",
     "multi_output",
 )

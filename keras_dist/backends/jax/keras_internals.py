@@ -322,9 +322,14 @@ def install_steps(
 
 def user_steps(model: Any) -> set[str]:
     """The step methods `model`'s class overrides: its own code, which keras_dist
-    runs as written (an uneven batch is laid out whole rather than padded)."""
+    runs as written (an uneven batch is laid out whole rather than padded). An
+    own `compute_loss` makes Keras' train and test steps (which call it) the
+    user's: a term it adds over the predictions must not see padding rows."""
     names = (*STEP_METHODS, "compute_loss_and_updates")
-    return set(overridden(model, JAXTrainer, names))
+    steps = set(overridden(model, JAXTrainer, names))
+    if overridden(model, JAXTrainer, ("compute_loss",)):
+        steps |= {"train_step", "test_step"}
+    return steps
 
 
 def _user_step(model: Any, step: Callable, state: Any, batch: MaskedBatch) -> Any:

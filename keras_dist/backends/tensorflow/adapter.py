@@ -24,6 +24,7 @@ from keras_dist.backends.tensorflow import gradients, keras_steps
 from keras_dist.backends.tensorflow import input_adapter as inputs
 from keras_dist.backends.tensorflow import keras_internals as internals
 from keras_dist.cluster import rendezvous
+from keras_dist.common import job
 from keras_dist.common.batch_norm import GlobalBatchNorm
 from keras_dist.common.padding import check_same_input, fingerprint
 from keras_dist.common.random_streams import (
@@ -32,6 +33,8 @@ from keras_dist.common.random_streams import (
     global_random_state,
     set_global_random_state,
 )
+from keras_dist.common.step_rows import warn_padded_once
+from keras_dist.keras_compat.epoch_iterator import watch_batch_plans
 from keras_dist.keras_compat.steps import install_cached_steps, remove_cached_steps
 
 _NOT_YET = (
@@ -491,6 +494,10 @@ class TensorFlowAdapter(BackendAdapter):
                 model,
                 gradients.fuse_gradient_all_reduce(getattr(model, "optimizer", None)),
             )
+        if user_steps & {"train_step", "test_step"}:
+            self._on_deactivate(
+                model, _say_padding(model, user_steps, strategy.num_replicas_in_sync)
+            )
         self._count_real_rows(model)
         self._average_gradients(model)
         # BatchNormalization leaves padding rows out and, by default,
@@ -554,3 +561,32 @@ def _sum_over_replicas(value: Any) -> Any:
 
 
 ADAPTER = TensorFlowAdapter()
+
+
+def _say_padding(model: Any, user_steps: set[str], replicas: int) -> Any:
+    """Warn, as each epoch's data iterator is made, when the user's own step
+    will get padded batches (a global batch that does not divide the
+    replicas); return the undo. The padding happens inside tf.data, so the
+    batch sizes come from Keras' data adapter."""
+    step = "train_step" if "train_step" in user_steps else "test_step"
+
+    def record(_iterator: Any, plan: Any, input_type: str) -> None:
+        if plan is None:
+            job.warn_once(
+                f"keras_dist pads a global batch that does not divide the {replicas} "
+                f"replicas, and Keras cannot say the batch sizes of {input_type} "
+                f"before reading them: {type(model).__name__}.{step} (your own) may "
+                "get padding rows. Keras' compute_loss, compiled metrics and loss "
+                "trackers leave them out; values your step computes itself from "
+                "the raw tensors include them. Pass sample_weight to fit and use "
+                "it, or give batches that divide the replicas.",
+                UserWarning,
+                key=("padded-unknown", id(model)),
+            )
+            return
+        for rows in sorted({plan.batch_size, plan.last_rows}, reverse=True):
+            if rows % replicas:
+                padded = (rows + replicas - 1) // replicas * replicas
+                warn_padded_once(model, step, rows, padded)
+
+    return watch_batch_plans(record)
