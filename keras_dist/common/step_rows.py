@@ -1,7 +1,7 @@
 """The user's own steps, run distributed: never replaced, never skipped.
 
-A model may override `train_step`, `test_step` or `predict_step` (or, on JAX,
-`compute_loss_and_updates`): for GANs, contrastive learning, a loss of its
+A model may override `train_step`, `test_step` or `predict_step` (or
+`compute_loss`, or on JAX `compute_loss_and_updates`): for GANs, contrastive learning, a loss of its
 own. keras_dist runs that code in every replica, on the replica's rows of the
 global batch, and makes what it computes global:
 
