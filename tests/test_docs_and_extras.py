@@ -157,6 +157,7 @@ def test_every_test_the_keras_nightly_run_names_exists():
     assert listed
     for entry in listed:
         path, _, function = entry.partition("::")
+        function, _, parameters = function.partition("[")
         source = REPO / path
         assert source.is_file(), entry
         if function:
