@@ -154,6 +154,12 @@ class Checkpoint(keras.callbacks.Callback):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be True or False. Received: {value!r}")
         self.directory = os.path.abspath(os.fspath(directory))
+        # Found now, not after a whole epoch at the first save; whether it is
+        # writable is tried when `fit` starts (each process creates nothing
+        # before).
+        problem = store.directory_problem(self.directory)
+        if problem is not None:
+            raise ValueError(problem)
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
         self.save_on_background = save_on_background
@@ -176,6 +182,7 @@ class Checkpoint(keras.callbacks.Callback):
         self._rank = adapter.process_id()
         self._processes = adapter.num_processes()
         self._timeout = job.timeout_seconds()
+        store.ensure_writable(self.directory, self._rank)
         self._preemption = Preemption(self.directory, self._rank, self._processes)
         self._preemption.start()
         self._training = True
@@ -322,6 +329,13 @@ class Checkpoint(keras.callbacks.Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         try:
             self._save_due_at_epoch_start()
+            # The state `fit` ends with, when no save took it (an int
+            # `save_freq` that the last steps did not reach): a `fit` that
+            # finds it trains nothing more. `save_best_only` saves only
+            # improvements, as its checks decided.
+            if self._global_step != self._last_saved_step and not self.save_best_only:
+                self._save(self._epoch_end_position(), dict(logs or {}))
+            # A background save is committed before `fit` returns.
             self._finish_pending()
             self._barrier(f"end {self._global_step}")
         finally:
@@ -387,7 +401,11 @@ class Checkpoint(keras.callbacks.Callback):
             return
         _, logs = self._due_at_epoch_start
         self._due_at_epoch_start = None
-        position = {
+        self._save(self._epoch_end_position(), logs, force=self._exit_after_epoch)
+
+    def _epoch_end_position(self) -> dict[str, Any]:
+        """The position of a save once an epoch's end ran: the next epoch."""
+        return {
             "epoch": self._epoch + 1,
             "batches_done": 0,
             # The next epoch makes its data iterator when it starts, from the
@@ -398,7 +416,6 @@ class Checkpoint(keras.callbacks.Callback):
             # The counter the next epoch shuffles from (Keras 3.16; None on 3.15).
             "data_epoch": data_epoch(),
         }
-        self._save(position, logs, force=self._exit_after_epoch)
 
     def _save(
         self, position: dict[str, Any], logs: dict, *, force: bool = False
