@@ -155,7 +155,10 @@ def test_checkpoints_are_committed_whole_and_pruned(uninterrupted, tmp_path):
         handle.truncate(1)
     assert store.complete_steps(str(directory)) == [14, 16, 18]
     model = build(dropout=True)
-    assert kd.restore(model, directory) == 18
+    # The torn step 22 is passed over with a warning naming it and its file.
+    with pytest.warns(RuntimeWarning, match="restoring step 18 instead") as warned:
+        assert kd.restore(model, directory) == 18
+    assert str(torn / largest) in str(warned[0].message)
     with pytest.raises(ValueError, match="not a complete keras_dist checkpoint"):
         kd.restore(build(dropout=True), directory, step=22)
 

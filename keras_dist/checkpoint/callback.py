@@ -14,9 +14,9 @@ import numpy as np
 
 from keras_dist._version import __version__
 from keras_dist.backends import get_adapter
+from keras_dist.checkpoint import damaged, store
 from keras_dist.checkpoint import engine as engines
 from keras_dist.checkpoint import state as checkpoint_state
-from keras_dist.checkpoint import store
 from keras_dist.checkpoint.keys import saveable_variables
 from keras_dist.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preemption
 from keras_dist.common import job, random_streams
@@ -83,6 +83,11 @@ class Checkpoint(keras.callbacks.Callback):
         mode: `"min"`, `"max"` or `"auto"` (max for accuracies and AUC-like
             names, else min), as in Keras' `ModelCheckpoint`.
         save_best_only: save only when `monitor` improved.
+        on_damaged: what a resume does when the newest checkpoints are
+            damaged (a file cut short or altered, a manifest that does not
+            parse): `"warn"` resumes from the newest one that reads, warning
+            with the damaged step, its file and the reason; `"raise"` stops
+            with that error.
 
     Example:
 
@@ -107,6 +112,8 @@ class Checkpoint(keras.callbacks.Callback):
         monitor: str | None = None,
         mode: str = "auto",
         save_best_only: bool = False,
+        *,
+        on_damaged: str = "warn",
     ) -> None:
         super().__init__()
         if not isinstance(directory, str | os.PathLike) or not os.fspath(directory):
@@ -167,6 +174,7 @@ class Checkpoint(keras.callbacks.Callback):
         self.monitor = monitor
         self.mode = mode
         self.save_best_only = save_best_only
+        self.on_damaged = damaged.check_on_damaged(on_damaged)
         self.best: float | None = None
         self._siblings: Any = None
         self._pending: _PendingSave | None = None
@@ -206,12 +214,18 @@ class Checkpoint(keras.callbacks.Callback):
         self._pending_created_state: list[int] | None = None
         self._pending_epoch_state: list[int] | None = None
         watch_new_iterators(self._before_new_iterator, self._after_new_iterator)
-        latest = store.latest_step(self.directory)
+        steps, broken = store.scan(self.directory)
         # Processes that see different checkpoints (a directory that is not
         # shared) meet at different barriers: an error after the timeout.
-        self._barrier(f"restore {latest}")
-        if latest is not None:
-            self._restore(latest)
+        self._barrier(f"restore {steps[-1:]} {sorted(broken)[-1:]}")
+        damaged.restore_newest(
+            self.directory,
+            self._restore,
+            on_damaged=self.on_damaged,
+            what="kd.Checkpoint",
+            taking="resuming from",
+            without="training starts from scratch",
+        )
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._save_due_at_epoch_start()
