@@ -185,3 +185,13 @@ def test_on_damaged_takes_warn_or_raise(tmp_path):
         kd.Checkpoint(tmp_path, on_damaged="ignore")
     with pytest.raises(ValueError, match="Received: on_damaged=True"):
         kd.restore(_model(), tmp_path, on_damaged=True)
+
+
+def test_restore_raises_when_no_checkpoint_reads(saved, tmp_path):
+    directory = tmp_path / "ck"
+    shutil.copytree(saved, directory)
+    for step in (4, PREVIOUS, NEWEST):
+        _garble(directory / f"step-{step:09d}" / METADATA[BACKEND])
+    with pytest.warns(RuntimeWarning, match="3 damaged checkpoint"):
+        with pytest.raises(ValueError, match=r"steps \[4, 8, 12\] are all damaged"):
+            kd.restore(_model(), directory)

@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from keras_dist.checkpoint import damaged
+from keras_dist.checkpoint import damaged, store
 from keras_dist.checkpoint import state as checkpoint_state
 from keras_dist.training import saving
 
@@ -75,7 +75,14 @@ def restore(
         without="nothing is restored",
     )
     if restored is None:
-        checkpoint_state.find_step(directory, None)  # the error naming the directory
+        steps, broken = store.scan(directory)
+        if not steps and not broken:
+            checkpoint_state.find_step(directory, None)  # "holds no checkpoint"
+        raise ValueError(
+            f"kd.restore: no checkpoint of {directory!r} reads: steps "
+            f"{sorted({*steps, *broken})} are all damaged (the warning above says "
+            "how). Pass the directory of an intact kd.Checkpoint."
+        )
     return restored
 
 
