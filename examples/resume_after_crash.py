@@ -16,6 +16,15 @@ same weights as a run that never crashed.
     KERAS_BACKEND=tensorflow keras-dist launch --nproc-per-node 2 --max-restarts 1 \\
         examples/resume_after_crash.py --crash-at-step 25
 
+Which checkpoint the job resumes from: with `--crash-at-step 25 --save-freq
+10`, step 20's, or step 10's when the crash came before step 20's background
+save was written. A background save (the default) is committed once every
+process has written its part, while training goes on; a process killed a few
+steps after the save started (on a busy machine, or at step 21) takes the
+unwritten save with it. `--blocking-saves` (`save_on_background=False`)
+finishes every save before training goes on: the job then always resumes from
+the latest save before the crash (step 20), at the cost of a pause per save.
+
 Without the launcher, run the same command twice: the first run crashes, the
 second resumes (`python examples/resume_after_crash.py --crash-at-step 25`).
 Checkpoints go to `--checkpoint-dir` (every process must see it); a directory
@@ -102,6 +111,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch")
     parser.add_argument("--save-freq", type=int, default=10, help="steps")
     parser.add_argument("--crash-at-step", type=int, default=None)
+    parser.add_argument(
+        "--blocking-saves",
+        action="store_true",
+        help="finish each save before training goes on (save_on_background=False)",
+    )
     parser.add_argument("--checkpoint-dir", default="resume_after_crash_checkpoints")
     parser.add_argument("--output", default=None, help="final weights (.npz)")
     arguments = parser.parse_args()
@@ -120,7 +134,11 @@ def main() -> None:
         verbose=2 if kd.process_id() == 0 else 0,
         callbacks=[
             kd.DistributeCallback(kd.DataParallel()),
-            kd.Checkpoint(arguments.checkpoint_dir, save_freq=arguments.save_freq),
+            kd.Checkpoint(
+                arguments.checkpoint_dir,
+                save_freq=arguments.save_freq,
+                save_on_background=not arguments.blocking_saves,
+            ),
             report,
         ],
     )

@@ -193,6 +193,13 @@ def test_a_step_directory_with_a_torn_file_or_manifest_is_not_restored(tmp_path,
         with open(path / largest, "r+b") as handle:
             handle.truncate(manifest["files"][largest] - 1)
     assert store.complete_steps(str(directory)) == [1]
-    assert kd.restore(build(), directory) == 1
+    # Never skipped without a word: the warning names the step and the file.
+    named = store.MANIFEST if what == "manifest" else largest
+    with pytest.warns(RuntimeWarning, match="restoring step 1 instead") as warned:
+        assert kd.restore(build(), directory) == 1
+    assert str(path) in str(warned[0].message)
+    assert named in str(warned[0].message)
     with pytest.raises(ValueError, match=re.escape(str(path))):
         kd.restore(build(), directory, step=2)
+    with pytest.raises(kd.checkpoint.DamagedCheckpointError, match="step 2"):
+        kd.restore(build(), directory, on_damaged="raise")

@@ -81,7 +81,11 @@ def uninterrupted(tmp_path_factory):
         output_dir=state,
         timeout=240,
     )
-    return {"weights": _weights(results[0]), "epochs": _epoch_logs(state)}
+    return {
+        "weights": _weights(results[0]),
+        "epochs": _epoch_logs(state),
+        "directory": state / "ck",
+    }
 
 
 # The launcher, kd.Checkpoint's commit protocol and the preemption agreement are
@@ -294,3 +298,40 @@ def test_sigusr1_to_a_lone_process_saves_and_exits_75(tmp_path):
     assert f"preempted (SIGUSR1): saved step {step} into" in err
     assert step < EPOCHS * 6
     assert not (tmp_path / "result-0.json").exists()  # it did not finish
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_both_ranks_resume_before_it(
+    uninterrupted, tmp_path
+):
+    """The newest checkpoint (step 18, the end of the job) has its largest
+    data file garbled (its size unchanged: only the engine finds it, as it
+    reads): every rank passes it over, together, process 0 warns naming the
+    step and the file, and the job trains steps 17 and 18 again, ending as the
+    uninterrupted one."""
+    directory = tmp_path / "ck"
+    shutil.copytree(uninterrupted["directory"], directory)
+    newest = directory / "step-000000018"
+    manifest = json.loads((newest / store.MANIFEST).read_text())
+    data = [
+        name
+        for name in manifest["files"]
+        if name.startswith(("orbax/d/", "__", "ckpt.data-"))
+    ]
+    damaged = newest / max(data, key=manifest["files"].get)
+    damaged.write_bytes(bytes(255 - b for b in damaged.read_bytes()))
+    results = run_job(
+        WORKER,
+        [str(directory), str(tmp_path)],
+        processes=2,
+        env=_environment(),
+        output_dir=tmp_path,
+        timeout=240,
+    )
+    logs = [(tmp_path / f"log-{rank}.txt").read_text() for rank in (0, 1)]
+    assert "1 damaged checkpoint(s) skipped, resuming from step 16 instead" in logs[0]
+    assert str(damaged) in logs[0], logs[0][-3000:]
+    assert f"resuming from {directory / 'step-000000016'}" in logs[0]
+    assert "damaged" not in logs[1], logs[1][-3000:]  # process 0 reports
+    for result in results:
+        _assert_close(_weights(result), uninterrupted["weights"], atol=1e-6)
+    assert store.complete_steps(str(directory))[-1] == 18

@@ -155,7 +155,10 @@ def test_checkpoints_are_committed_whole_and_pruned(uninterrupted, tmp_path):
         handle.truncate(1)
     assert store.complete_steps(str(directory)) == [14, 16, 18]
     model = build(dropout=True)
-    assert kd.restore(model, directory) == 18
+    # The torn step 22 is passed over with a warning naming it and its file.
+    with pytest.warns(RuntimeWarning, match="restoring step 18 instead") as warned:
+        assert kd.restore(model, directory) == 18
+    assert str(torn / largest) in str(warned[0].message)
     with pytest.raises(ValueError, match="not a complete keras_dist checkpoint"):
         kd.restore(build(dropout=True), directory, step=22)
 
@@ -306,3 +309,60 @@ def test_export_writes_one_file_plain_keras_loads(uninterrupted, tmp_path):
 def test_checkpoint_rejects_bad_arguments_naming_them(options, error, tmp_path):
     with pytest.raises((ValueError, TypeError), match=error):
         kd.Checkpoint(tmp_path, **options)
+
+
+@pytest.mark.parametrize(
+    "background", MODES, ids=["background", "blocking"][: len(MODES)]
+)
+def test_the_state_fit_ends_with_is_saved_and_a_second_fit_trains_nothing(
+    tmp_path, background
+):
+    """26 steps with save_freq=10: saves at 10 and 20, and at the end of `fit`
+    (step 26), committed before `fit` returns."""
+    directory = tmp_path / "ck"
+    x, y = data()
+    x, y = np.resize(x, (26 * BATCH, x.shape[1])), np.resize(y, (26 * BATCH, 1))
+
+    class Steps(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.steps = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps += 1
+
+    def fit():
+        model, steps = build(dropout=True), Steps()
+        keras.utils.set_random_seed(3)
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=1,
+            shuffle=True,
+            verbose=0,
+            callbacks=[
+                kd.DistributeCallback(kd.DataParallel()),
+                kd.Checkpoint(
+                    directory,
+                    save_freq=10,
+                    max_to_keep=None,
+                    save_on_background=background,
+                ),
+                steps,
+            ],
+        )
+        return model, steps.steps
+
+    model, steps = fit()
+    assert steps == 26
+    # No waiting: the last save is committed once fit returned.
+    assert store.complete_steps(str(directory)) == [10, 20, 26]
+    restored = build(dropout=True)
+    assert kd.restore(restored, directory) == 26
+    _assert_weights_equal(restored.get_weights(), model.get_weights(), atol=0)
+    again, steps = fit()
+    assert steps == 0
+    assert int(keras.ops.convert_to_numpy(again.optimizer.iterations)) == 26
+    _assert_weights_equal(again.get_weights(), model.get_weights(), atol=0)
+    assert store.complete_steps(str(directory)) == [10, 20, 26]

@@ -7,6 +7,7 @@ PyTorch, in one process (the mixin is backend-neutral).
 from __future__ import annotations
 
 import os
+import shutil
 
 import keras
 import numpy as np
@@ -121,17 +122,28 @@ def test_a_checkpoint_instance_keeps_its_options(uninterrupted, tmp_path):
     model = _model(distribution=kd.DataParallel(), checkpoint=checkpoint)
     assert model.checkpoint is checkpoint
     assert _fit(model, 2) == [0, 1]
-    # Every 3 steps (mid-epoch); nothing more at the end of fit.
-    assert _steps(directory) == [3, 6]
+    # Every 3 steps (mid-epoch), and the state fit ends with (step 8).
+    assert _steps(directory) == [3, 6, 8]
 
     resumed = _model(
         distribution=kd.DataParallel(),
         checkpoint=kd.Checkpoint(directory, save_freq=3, max_to_keep=None),
     )
-    # Step 6 is epoch 1's third batch: the resume starts there, mid-epoch.
-    assert _fit(resumed, 4) == [1, 2, 3]
-    assert _steps(directory) == [3, 6, 9, 12, 15]
+    # Step 8 ends epoch 1: the resume starts at epoch 2; save_freq counts on
+    # from the restored step.
+    assert _fit(resumed, 4) == [2, 3]
+    assert _steps(directory) == [3, 6, 8, 11, 14, 16]
     _assert_weights_equal(resumed.get_weights(), uninterrupted)
+    # Mid-epoch: from step 6 (epoch 1's third batch) once the later ones go.
+    for step in (8, 11, 14, 16):
+        shutil.rmtree(store.step_directory(str(directory), step))
+    again = _model(
+        distribution=kd.DataParallel(),
+        checkpoint=kd.Checkpoint(directory, save_freq=3, max_to_keep=None),
+    )
+    assert _fit(again, 4) == [1, 2, 3]
+    assert _steps(directory) == [3, 6, 9, 12, 15, 16]
+    _assert_weights_equal(again.get_weights(), uninterrupted)
 
 
 def test_checkpoint_without_a_distribution(tmp_path):

@@ -7,11 +7,18 @@ from typing import Any
 
 import keras
 
+from keras_dist.checkpoint import damaged, store
 from keras_dist.checkpoint import state as checkpoint_state
 from keras_dist.training import saving
 
 
-def restore(model: Any, directory: str | os.PathLike, step: int | None = None) -> int:
+def restore(
+    model: Any,
+    directory: str | os.PathLike,
+    step: int | None = None,
+    *,
+    on_damaged: str = "warn",
+) -> int:
     """Load a `kd.Checkpoint` checkpoint into `model`, laid out the way the
     active distribution lays it out, whatever mesh, device count, process
     count or backend wrote it.
@@ -26,7 +33,12 @@ def restore(model: Any, directory: str | os.PathLike, step: int | None = None) -
     Args:
         model: a built Keras model, the same architecture as the saved one.
         directory: the directory the `kd.Checkpoint` saved into.
-        step: which step to load; None: the latest complete one.
+        step: which step to load; None: the newest one that reads.
+        on_damaged: with `step=None`, when the newest checkpoints are
+            damaged (a file cut short or altered): `"warn"` loads the newest
+            one that reads, warning with the damaged step, its file and the
+            reason; `"raise"` raises that `DamagedCheckpointError`. A given
+            `step` that is damaged always raises it.
 
     Returns:
         The step that was loaded.
@@ -49,8 +61,32 @@ def restore(model: Any, directory: str | os.PathLike, step: int | None = None) -
             "`directory` must be the directory a kd.Checkpoint saved into. "
             f"Received: directory={directory!r} of type {type(directory).__name__}"
         )
+    damaged.check_on_damaged(on_damaged)
     # As kd.Checkpoint: Orbax (JAX) reads absolute paths only.
     directory = os.path.abspath(os.fspath(directory))
+    if step is not None:
+        return _restore_step(model, directory, step)
+    restored = damaged.restore_newest(
+        directory,
+        lambda step: _restore_step(model, directory, step),
+        on_damaged=on_damaged,
+        what="kd.restore",
+        taking="restoring",
+        without="nothing is restored",
+    )
+    if restored is None:
+        steps, broken = store.scan(directory)
+        if not steps and not broken:
+            checkpoint_state.find_step(directory, None)  # "holds no checkpoint"
+        raise ValueError(
+            f"kd.restore: no checkpoint of {directory!r} reads: steps "
+            f"{sorted({*steps, *broken})} are all damaged (the warning above says "
+            "how). Pass the directory of an intact kd.Checkpoint."
+        )
+    return restored
+
+
+def _restore_step(model: Any, directory: str, step: int) -> int:
     path, manifest = checkpoint_state.find_step(directory, step)
     state = checkpoint_state.match(
         model, manifest, path, weights_only=bool(manifest.get("weights_only"))

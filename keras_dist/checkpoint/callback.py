@@ -14,9 +14,9 @@ import numpy as np
 
 from keras_dist._version import __version__
 from keras_dist.backends import get_adapter
+from keras_dist.checkpoint import damaged, store
 from keras_dist.checkpoint import engine as engines
 from keras_dist.checkpoint import state as checkpoint_state
-from keras_dist.checkpoint import store
 from keras_dist.checkpoint.keys import saveable_variables
 from keras_dist.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preemption
 from keras_dist.common import job, random_streams
@@ -83,6 +83,11 @@ class Checkpoint(keras.callbacks.Callback):
         mode: `"min"`, `"max"` or `"auto"` (max for accuracies and AUC-like
             names, else min), as in Keras' `ModelCheckpoint`.
         save_best_only: save only when `monitor` improved.
+        on_damaged: what a resume does when the newest checkpoints are
+            damaged (a file cut short or altered, a manifest that does not
+            parse): `"warn"` resumes from the newest one that reads, warning
+            with the damaged step, its file and the reason; `"raise"` stops
+            with that error.
 
     Example:
 
@@ -107,6 +112,8 @@ class Checkpoint(keras.callbacks.Callback):
         monitor: str | None = None,
         mode: str = "auto",
         save_best_only: bool = False,
+        *,
+        on_damaged: str = "warn",
     ) -> None:
         super().__init__()
         if not isinstance(directory, str | os.PathLike) or not os.fspath(directory):
@@ -154,6 +161,12 @@ class Checkpoint(keras.callbacks.Callback):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be True or False. Received: {value!r}")
         self.directory = os.path.abspath(os.fspath(directory))
+        # Found now, not after a whole epoch at the first save; whether it is
+        # writable is tried when `fit` starts (each process creates nothing
+        # before).
+        problem = store.directory_problem(self.directory)
+        if problem is not None:
+            raise ValueError(problem)
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
         self.save_on_background = save_on_background
@@ -161,6 +174,7 @@ class Checkpoint(keras.callbacks.Callback):
         self.monitor = monitor
         self.mode = mode
         self.save_best_only = save_best_only
+        self.on_damaged = damaged.check_on_damaged(on_damaged)
         self.best: float | None = None
         self._siblings: Any = None
         self._pending: _PendingSave | None = None
@@ -176,6 +190,7 @@ class Checkpoint(keras.callbacks.Callback):
         self._rank = adapter.process_id()
         self._processes = adapter.num_processes()
         self._timeout = job.timeout_seconds()
+        store.ensure_writable(self.directory, self._rank)
         self._preemption = Preemption(self.directory, self._rank, self._processes)
         self._preemption.start()
         self._training = True
@@ -199,12 +214,18 @@ class Checkpoint(keras.callbacks.Callback):
         self._pending_created_state: list[int] | None = None
         self._pending_epoch_state: list[int] | None = None
         watch_new_iterators(self._before_new_iterator, self._after_new_iterator)
-        latest = store.latest_step(self.directory)
+        steps, broken = store.scan(self.directory)
         # Processes that see different checkpoints (a directory that is not
         # shared) meet at different barriers: an error after the timeout.
-        self._barrier(f"restore {latest}")
-        if latest is not None:
-            self._restore(latest)
+        self._barrier(f"restore {steps[-1:]} {sorted(broken)[-1:]}")
+        damaged.restore_newest(
+            self.directory,
+            self._restore,
+            on_damaged=self.on_damaged,
+            what="kd.Checkpoint",
+            taking="resuming from",
+            without="training starts from scratch",
+        )
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._save_due_at_epoch_start()
@@ -322,6 +343,13 @@ class Checkpoint(keras.callbacks.Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         try:
             self._save_due_at_epoch_start()
+            # The state `fit` ends with, when no save took it (an int
+            # `save_freq` that the last steps did not reach): a `fit` that
+            # finds it trains nothing more. `save_best_only` saves only
+            # improvements, as its checks decided.
+            if self._global_step != self._last_saved_step and not self.save_best_only:
+                self._save(self._epoch_end_position(), dict(logs or {}))
+            # A background save is committed before `fit` returns.
             self._finish_pending()
             self._barrier(f"end {self._global_step}")
         finally:
@@ -387,7 +415,11 @@ class Checkpoint(keras.callbacks.Callback):
             return
         _, logs = self._due_at_epoch_start
         self._due_at_epoch_start = None
-        position = {
+        self._save(self._epoch_end_position(), logs, force=self._exit_after_epoch)
+
+    def _epoch_end_position(self) -> dict[str, Any]:
+        """The position of a save once an epoch's end ran: the next epoch."""
+        return {
             "epoch": self._epoch + 1,
             "batches_done": 0,
             # The next epoch makes its data iterator when it starts, from the
@@ -398,7 +430,6 @@ class Checkpoint(keras.callbacks.Callback):
             # The counter the next epoch shuffles from (Keras 3.16; None on 3.15).
             "data_epoch": data_epoch(),
         }
-        self._save(position, logs, force=self._exit_after_epoch)
 
     def _save(
         self, position: dict[str, Any], logs: dict, *, force: bool = False

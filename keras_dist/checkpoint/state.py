@@ -14,8 +14,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_dist.checkpoint import damaged, store
 from keras_dist.checkpoint import engine as engines
-from keras_dist.checkpoint import store
 from keras_dist.checkpoint.keys import saveable_variables
 
 _METRICS = "metrics/"
@@ -111,11 +111,25 @@ def load(step_path: str, manifest: dict[str, Any], state: dict[str, Any]) -> Non
     wanted = {key: manifest["entries"][key] for key in state}
     writer = manifest["engine"]
     current = engines.engine(current_engine_name())
-    if writer == current_engine_name():
-        current.load(step_path, state, wanted)
-    else:
-        arrays = engines.engine(writer).read_arrays(step_path, wanted)
-        current.assign_arrays(state, arrays)
+    try:
+        if writer == current_engine_name():
+            current.load(step_path, state, wanted)
+        else:
+            arrays = engines.engine(writer).read_arrays(step_path, wanted)
+            current.assign_arrays(state, arrays)
+    except damaged.DamagedCheckpointError:
+        raise
+    except Exception as error:
+        if not damaged.is_read_error(error):
+            raise
+        # The engines name the file where they know it; a library's own error
+        # (Orbax's UnicodeDecodeError, torch's UnpicklingError) names none.
+        reason = (
+            str(error)
+            if type(error) is ValueError
+            else f"{type(error).__name__}: {error}"
+        )
+        raise damaged.error_for(step_path, reason) from error
 
 
 def find_step(directory: str, step: int | None) -> tuple[str, dict[str, Any]]:
@@ -139,4 +153,7 @@ def find_step(directory: str, step: int | None) -> tuple[str, dict[str, Any]]:
             f"{directory!r} has no checkpoint of step {step}; its complete steps "
             f"are {store.complete_steps(directory)}."
         )
-    return path, store.read_manifest(path)
+    try:
+        return path, store.read_manifest(path)
+    except ValueError as error:
+        raise damaged.error_for(path, str(error)) from None

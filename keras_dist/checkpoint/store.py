@@ -28,6 +28,60 @@ MANIFEST = "keras_dist.json"
 FORMAT_VERSION = 1
 _STEP = re.compile(r"^step-(\d+)$")
 _TEMPORARY = re.compile(r"^\.tmp-step-(\d+)$")
+# What every manifest holds (`commit` adds "format", "step" and "files").
+_MANIFEST_KEYS = ("engine", "entries", "step")
+
+
+def directory_problem(directory: str) -> str | None:
+    """Why `directory` cannot hold checkpoints, judged from what exists (no
+    file is created): it is a file, or lies under one. None when it can."""
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        return (
+            f"kd.Checkpoint: the checkpoint directory {directory!r} is a file, "
+            "not a directory (or a link to none). Pass a directory (it is "
+            "created if missing), or move the file away."
+        )
+    parent = os.path.dirname(directory)
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        return (
+            f"kd.Checkpoint: the checkpoint directory {directory!r} lies under "
+            f"{parent!r}, which is a file, not a directory: it cannot be "
+            "created. Pass a directory whose parents are directories, or move "
+            "the file away."
+        )
+    return None
+
+
+def ensure_writable(directory: str, rank: int) -> None:
+    """Create `directory` if missing and write (and remove) a probe file in it,
+    as this process will write its shards there: a `ValueError` (a file in the
+    way) or `PermissionError` naming the directory and the fix, rather than
+    the first save's bare `OSError`."""
+    problem = directory_problem(directory)
+    if problem is not None:
+        raise ValueError(problem)
+    probe = os.path.join(directory, f".keras_dist-write-test-{rank}-{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        descriptor = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.close(descriptor)
+        os.remove(probe)
+    except (FileExistsError, NotADirectoryError) as error:
+        # Made a file since the check above (another process, a race).
+        raise ValueError(
+            directory_problem(directory)
+            or f"kd.Checkpoint: cannot create the checkpoint directory "
+            f"{directory!r}: {error}"
+        ) from error
+    except OSError as error:
+        raise PermissionError(
+            f"kd.Checkpoint: process {rank} cannot write into the checkpoint "
+            f"directory {directory!r} ({type(error).__name__}: {error}). Every "
+            "process writes its shards there: pass a directory every process "
+            "can write, or give this user write permission (`chmod u+w`)."
+        ) from error
 
 
 def step_directory(directory: str, step: int) -> str:
@@ -75,8 +129,8 @@ def commit(directory: str, step: int, manifest: dict[str, Any]) -> str:
 
 
 def read_manifest(step_path: str) -> dict[str, Any]:
-    """The manifest of a committed step directory; `ValueError` naming what
-    is wrong when it is not complete."""
+    """The manifest of a committed step directory; `ValueError` naming the
+    file and what is wrong with it when the checkpoint is not complete."""
     path = os.path.join(step_path, MANIFEST)
     try:
         with open(path, encoding="utf-8") as file:
@@ -86,35 +140,63 @@ def read_manifest(step_path: str) -> dict[str, Any]:
             f"{step_path} is not a complete keras_dist checkpoint: it has no "
             f"{MANIFEST} (the save that wrote it did not finish)."
         ) from None
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} cannot be read: {error}") from error
+    except (OSError, ValueError) as error:  # JSON and UTF-8 errors included
+        raise ValueError(
+            f"{step_path} is not a complete keras_dist checkpoint: its manifest "
+            f"{path} cannot be read ({type(error).__name__}: {error})."
+        ) from error
+    if not isinstance(manifest, dict):
+        raise ValueError(
+            f"{step_path} is not a complete keras_dist checkpoint: its manifest "
+            f"{path} holds a {type(manifest).__name__}, not a JSON object."
+        )
     if manifest.get("format") != FORMAT_VERSION:
         raise ValueError(
             f"{step_path} has checkpoint format {manifest.get('format')!r}; this "
             f"keras_dist reads format {FORMAT_VERSION}. Upgrade keras_dist."
         )
-    for name, size in manifest.get("files", {}).items():
+    missing = [key for key in _MANIFEST_KEYS if key not in manifest]
+    files = manifest.get("files")
+    if missing or not isinstance(files, dict):
+        raise ValueError(
+            f"{step_path} is not a complete keras_dist checkpoint: its manifest "
+            f"{path} lacks {missing or ['files']}."
+        )
+    for name, size in files.items():
         file_path = os.path.join(step_path, name)
-        if not os.path.isfile(file_path) or os.path.getsize(file_path) != size:
+        have = os.path.getsize(file_path) if os.path.isfile(file_path) else None
+        if have != size:
+            state = "missing" if have is None else f"{have} bytes long"
             raise ValueError(
                 f"{step_path} is not a complete keras_dist checkpoint: its file "
-                f"{name} is missing or not {size} bytes long."
+                f"{file_path} is {state}, its manifest lists {size} bytes (cut "
+                "short or altered since the save)."
             )
     return manifest
 
 
-def complete_steps(directory: str) -> list[int]:
-    """The steps of `directory` whose checkpoint is complete, in order."""
-    steps = []
+def scan(directory: str) -> tuple[list[int], dict[int, str]]:
+    """The steps of `directory` whose checkpoint is complete, in order, and
+    the others (`step-<N>` directories that are not): step -> what is wrong."""
+    steps, damaged = [], {}
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for name in os.listdir(directory):
             match = _STEP.match(name)
             if match is None:
                 continue
-            with contextlib.suppress(ValueError):
+            step = int(match.group(1))
+            try:
                 read_manifest(os.path.join(directory, name))
-                steps.append(int(match.group(1)))
-    return sorted(steps)
+            except ValueError as error:
+                damaged[step] = str(error)
+            else:
+                steps.append(step)
+    return sorted(steps), damaged
+
+
+def complete_steps(directory: str) -> list[int]:
+    """The steps of `directory` whose checkpoint is complete, in order."""
+    return scan(directory)[0]
 
 
 def latest_step(directory: str) -> int | None:

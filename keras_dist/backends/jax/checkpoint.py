@@ -239,6 +239,56 @@ def _finished_item(directory: Any) -> Path:
     )
 
 
+# Orbax's small JSON files (its data is in `d/` and `ocdbt.process_*/`).
+_JSON_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "array_metadatas")
+
+
+def _read(item: Path, read: Any) -> Any:
+    """`read()`, Orbax reading `item`; a file it cannot read is a
+    `ValueError` naming the file (Orbax's own error may name none)."""
+    try:
+        return read()
+    except (ValueError, OSError, KeyError, EOFError) as error:
+        text = f"{type(error).__name__}: {error}".strip().splitlines()[0][:300]
+        file = _file_named(str(error), item) or _unreadable_json(item)
+        where = f"its file {file}" if file else f"its files under {item}"
+        raise ValueError(
+            f"Orbax cannot read {where} ({text}): the file is damaged. Restore "
+            "an earlier checkpoint."
+        ) from error
+
+
+def _file_named(text: str, item: Path) -> str | None:
+    """A file under `item` that Orbax's (TensorStore's) message names."""
+    root = str(item).rstrip(os.sep) + os.sep
+    start = text.find(root)
+    while start >= 0:
+        end = start + len(root)
+        while end < len(text) and text[end] not in " \t\n'\"(),:":
+            end += 1
+        name = text[start:end].rstrip(".")
+        if os.path.isfile(name):
+            return name
+        start = text.find(root, end)
+    return None
+
+
+def _unreadable_json(item: Path) -> str | None:
+    """The first of Orbax's JSON files under `item` that does not parse."""
+    import json  # noqa: PLC0415
+
+    for name in _JSON_FILES:
+        path = item / name
+        for file in sorted(path.iterdir()) if path.is_dir() else [path]:
+            if not file.is_file():
+                continue
+            try:
+                json.loads(file.read_bytes().decode("utf-8"))
+            except ValueError:
+                return str(file)
+    return None
+
+
 def _saved_shapes(ocp: Any, item: Path) -> dict[str, tuple[tuple[int, ...], Any]]:
     """`{key: (shape, dtype)}` of every saved value, from Orbax's metadata."""
     metadata = ocp.PyTreeCheckpointHandler().metadata(item)
@@ -315,7 +365,7 @@ def load(directory: Any, state: Mapping[str, Any], entries: Mapping[str, Any]) -
     import jax  # noqa: PLC0415
 
     item = _finished_item(directory)
-    saved = _saved_shapes(ocp, item)
+    saved = _read(item, lambda: _saved_shapes(ocp, item))
     _check_entries(item, saved, list(state), entries)
     target, restore_args = {}, {}
     for key, variable in state.items():
@@ -332,7 +382,9 @@ def load(directory: Any, state: Mapping[str, Any], entries: Mapping[str, Any]) -
         restore_args[key] = ocp.ArrayRestoreArgs(
             sharding=sharding, global_shape=shape, dtype=value.dtype
         )
-    restored = _restore(ocp, item, target, restore_args, _all_processes())
+    restored = _read(
+        item, lambda: _restore(ocp, item, target, restore_args, _all_processes())
+    )
     for key, variable in state.items():
         variable.assign(_leaf(restored, key))
 
@@ -357,14 +409,14 @@ def read_arrays(directory: Any, entries: Mapping[str, Any]) -> dict[str, np.ndar
     ocp = _orbax()
 
     item = _finished_item(directory)
-    saved = _saved_shapes(ocp, item)
+    saved = _read(item, lambda: _saved_shapes(ocp, item))
     _check_entries(item, saved, list(entries), entries)
     target, restore_args = {}, {}
     for key in entries:
         shape, dtype = saved[key]
         target[key] = np.empty(shape, dtype)
         restore_args[key] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
-    restored = _restore(ocp, item, target, restore_args, {_rank()})
+    restored = _read(item, lambda: _restore(ocp, item, target, restore_args, {_rank()}))
     return {key: np.asarray(_leaf(restored, key)) for key in entries}
 
 

@@ -275,6 +275,33 @@ def _read_errors(tf: Any) -> tuple[type[BaseException], ...]:
     return (tf.errors.OpError, IndexError, RuntimeError)
 
 
+def _reader(tf: Any, prefix: str) -> Any:
+    """TensorFlow's reader of the checkpoint at `prefix` (it reads the index
+    file): a `ValueError` naming that file when it is damaged."""
+    try:
+        return tf.train.load_checkpoint(prefix)
+    except _read_errors(tf) as error:
+        raise _damaged(prefix, [f"{prefix}.index"], error) from error
+
+
+def _data_files(prefix: str) -> list[str]:
+    directory = os.path.dirname(prefix)
+    return sorted(
+        os.path.join(directory, name)
+        for name in os.listdir(directory)
+        if _DATA_FILE.match(name)
+    )
+
+
+def _damaged(prefix: str, files: list[str], error: BaseException) -> ValueError:
+    where = f"its file {files[0]}" if len(files) == 1 else f"one of its files {files}"
+    return ValueError(
+        f"TensorFlow could not read the checkpoint {prefix}: {where} is damaged or "
+        "incomplete "
+        f"({type(error).__name__}: {error}). Restore from an earlier step."
+    )
+
+
 def _check_entries(
     directory: Any, saved: dict[str, list[int]], entries: dict[str, Any]
 ) -> None:
@@ -305,17 +332,14 @@ def read_arrays(
     import tensorflow as tf  # noqa: PLC0415
 
     prefix = _complete_prefix(directory)
+    reader = _reader(tf, prefix)
     try:
-        reader = tf.train.load_checkpoint(prefix)
         _check_entries(directory, reader.get_variable_to_shape_map(), entries)
         arrays = {
             key: np.asarray(reader.get_tensor(native_name(key))) for key in entries
         }
     except _read_errors(tf) as error:
-        raise ValueError(
-            f"TensorFlow could not read the checkpoint {prefix}: {error}. "
-            "Its files are damaged or incomplete; restore from an earlier step."
-        ) from error
+        raise _damaged(prefix, _data_files(prefix), error) from error
     for key, array in arrays.items():
         dtype = str(entries[key]["dtype"])
         if str(array.dtype) != dtype:
@@ -343,8 +367,8 @@ def load(
             "with keys the checkpoint does not have."
         )
     prefix = _complete_prefix(directory)
+    saved = _reader(tf, prefix).get_variable_to_shape_map()
     try:
-        saved = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
         _check_entries(directory, saved, {key: entries[key] for key in variables})
         for key, variable in variables.items():
             if list(saved[native_name(key)]) != list(variable.shape):
@@ -358,10 +382,7 @@ def load(
         status.assert_existing_objects_matched()
         status.expect_partial()
     except _read_errors(tf) as error:
-        raise ValueError(
-            f"TensorFlow could not read the checkpoint {prefix}: {error}. "
-            "Its files are damaged or incomplete; restore from an earlier step."
-        ) from error
+        raise _damaged(prefix, _data_files(prefix), error) from error
 
 
 def assign_arrays(state: dict[str, Any], arrays: dict[str, Any]) -> None:

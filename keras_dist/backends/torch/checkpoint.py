@@ -88,6 +88,37 @@ def _one_process() -> Iterator[None]:
         yield
 
 
+def _damaged_data(
+    directory: Any, metadata: Any, error: BaseException
+) -> ValueError | None:
+    """A `ValueError` naming the data files and the reason when DCP's load
+    failed on a damaged file (not on a lost process), else None."""
+    import pickle  # noqa: PLC0415
+
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return None
+    errors = [failure[0] for failure in failures.values()]
+    read_errors = (pickle.UnpicklingError, EOFError, ValueError, OSError, KeyError)
+    if not all(isinstance(failure, read_errors) for failure in errors):
+        return None
+    path = os.fspath(directory)
+    files = sorted(
+        {info.relative_path for info in (metadata.storage_data or {}).values()}
+    )
+    named = [os.path.join(path, name) for name in files]
+    where = f"its data file {named[0]}" if len(named) == 1 else f"one of {named}"
+    first = errors[0]
+    # The first sentence (torch's weights-only error goes on about trust).
+    reason = str(first).strip().splitlines()[0].split(". ")[0][:300]
+    ranks = sorted(failures)
+    return ValueError(
+        f"torch.distributed.checkpoint cannot read {where} (process(es) "
+        f"{ranks}: {type(first).__name__}: {reason}): the file is damaged. "
+        "Restore an earlier checkpoint."
+    )
+
+
 def _failure(action: str, directory: Any, error: BaseException) -> RuntimeError:
     _, rank = _world()
     return RuntimeError(
@@ -227,7 +258,14 @@ def _read_metadata(directory: Any) -> Any:
             "save that wrote it was interrupted (or it is not a PyTorch "
             "checkpoint); restore an earlier checkpoint."
         )
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as error:  # a pickle error, EOFError, ...
+        raise ValueError(
+            f"torch.distributed.checkpoint cannot read its file "
+            f"{os.path.join(path, _METADATA)} ({type(error).__name__}: {error}): "
+            "the file is damaged. Restore an earlier checkpoint."
+        ) from error
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = int(info.offset) + int(info.length)
@@ -293,6 +331,9 @@ def load(directory: Any, state: dict[str, Any], entries: dict[str, Any]) -> None
     except BaseException as error:  # DCP's CheckpointException included
         if isinstance(error, KeyboardInterrupt | SystemExit):
             raise
+        damaged = _damaged_data(directory, metadata, error)
+        if damaged is not None:
+            raise damaged from error
         raise _failure("load", directory, error) from error
     for key in sorted(per_process):
         variable = state[key]
@@ -337,6 +378,9 @@ def read_arrays(directory: Any, entries: dict[str, Any]) -> dict[str, np.ndarray
     except BaseException as error:  # DCP's CheckpointException included
         if isinstance(error, KeyboardInterrupt | SystemExit):
             raise
+        damaged = _damaged_data(directory, metadata, error)
+        if damaged is not None:
+            raise damaged from error
         raise _failure("read", directory, error) from error
     return {
         key: _numpy(targets[key], entries[key].get("dtype")) for key in sorted(targets)
