@@ -2,8 +2,8 @@
 
 A model may override `train_step`, `test_step` or `predict_step` (or
 `compute_loss`, or on JAX `compute_loss_and_updates`): for GANs, contrastive
-learning, a loss of its own. keras_dist runs that code in every replica, on the replica's rows of the
-global batch, and makes what it computes global:
+learning, a loss of its own. keras_dist runs that code in every replica, on
+the replica's rows of the global batch, and makes what it computes global:
 
 - Gradients: every optimizer the model holds averages its gradients over the
   replicas before it applies them (in `optimizer.apply`, so `apply_gradients`
