@@ -171,7 +171,11 @@ def loader_mismatch() -> dict:
     return {"error": None}
 
 
-def unused_weight() -> dict:
+def unused_weight(distributed: bool = True) -> dict:
+    """A head the model never calls: its weights get no gradient. Under
+    keras_dist (2 processes, DDP) or plain Keras (the reference, 1 process);
+    AdamW's weight decay would move the head if it got a zero gradient."""
+
     class TwoHeads(keras.Model):
         def __init__(self):
             super().__init__()
@@ -181,22 +185,29 @@ def unused_weight() -> dict:
         def call(self, x):
             return self.used(x)
 
+    keras.utils.set_random_seed(1)
     model = TwoHeads()
     model(np.zeros((1, 6), "float32"))
     model.unused(np.zeros((1, 6), "float32"))
-    model.compile(optimizer="sgd", loss="mse")
+    initial_head = [np.asarray(w).tolist() for w in model.unused.get_weights()]
+    model.compile(optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.1), loss="mse")
     x, _ = scenarios.classification_data()
-    try:
-        model.fit(
-            x,
-            x[:, :1],
-            batch_size=8,
-            verbose=0,
-            callbacks=[kd.DistributeCallback(kd.DataParallel())],
-        )
-    except ValueError as error:
-        return {"error": str(error)}
-    return {"error": None}
+    callbacks = [kd.DistributeCallback(kd.DataParallel())] if distributed else []
+    history = model.fit(
+        x,
+        x[:, :1],
+        batch_size=8,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+    )
+    return {
+        "weights": [np.asarray(w).tolist() for w in model.get_weights()],
+        "initial_head": initial_head,
+        "head": [np.asarray(w).tolist() for w in model.unused.get_weights()],
+        "loss": history.history["loss"],
+    }
 
 
 def main() -> None:
@@ -217,6 +228,8 @@ def main() -> None:
         result = scenarios.lose_a_process()
     elif scenario == "unused_weight":
         result = unused_weight()
+    elif scenario == "unused_weight_reference":
+        result = unused_weight(distributed=False)
     elif scenario == "loader_mismatch":
         result = loader_mismatch()
     elif scenario.startswith("model_parallel"):

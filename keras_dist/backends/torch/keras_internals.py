@@ -22,6 +22,7 @@ from keras.src.trainers.data_adapters import (
 )
 from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
+from keras_dist.backends.torch import unused_weights
 from keras_dist.common.batch_norm import GlobalBatchNorm
 from keras_dist.common.padding import masked_row_weights
 from keras_dist.common.step_rows import (
@@ -283,17 +284,6 @@ def _update_metrics(
         model.compute_metrics(x, y, y_pred, weights)
 
 
-def _unused_weights_error(model: Any) -> ValueError | None:
-    unused = [v.path for v in model.trainable_weights if v.value.grad is None]
-    if not unused:
-        return None
-    return ValueError(
-        "DistributedDataParallel needs a gradient for every trainable weight in "
-        f"every step, but these got none: {unused}. Freeze what the model does not "
-        "use (`layer.trainable = False`) or remove it."
-    )
-
-
 def user_steps(model: Any) -> set[str]:
     """The step methods `model`'s class overrides: its own code, which keras_dist
     runs as written (see `custom_steps`)."""
@@ -395,7 +385,8 @@ def _check_gradient_accumulation() -> list[str]:
 def make_steps(
     model: Any, collectives: Collectives, user_steps: set[str] = frozenset()
 ) -> dict[str, Callable]:
-    first_step = [True]
+    # None until the first step, then whether to look for unused weights.
+    look_for_unused: list[bool | None] = [None]
     world_size = collectives.world_size
 
     def rows_of(batch: Any, mask: Any, loss_weights: Any, weights: Any) -> StepRows:
@@ -458,17 +449,17 @@ def make_steps(
         if trainable:
             if accumulation is not None and update:
                 accumulation.move_into_gradients(trainable)
+            unused = []
+            if collectives.world_size > 1 and look_for_unused[0] is not False:
+                # Weights the loss does not reach (see `unused_weights`); a
+                # model whose first step reaches them all is not looked at again.
+                unused = unused_weights.missed_by(loss, trainable)
+                if look_for_unused[0] is None:
+                    look_for_unused[0] = bool(unused)
+                loss = unused_weights.reach(loss, unused)
             with local():
                 loss.backward()
-            if first_step[0]:
-                first_step[0] = False
-                # One process has no DDP: weights without a gradient are left
-                # as plain Keras leaves them (its optimizer skips them).
-                error = (
-                    _unused_weights_error(model) if collectives.world_size > 1 else None
-                )
-                if error is not None:
-                    raise error
+            unused_weights.forget(unused)
             with collectives.no_grad():
                 model.optimizer.apply([v.value.grad for v in trainable], trainable)
         if sync is None:
