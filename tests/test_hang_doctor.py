@@ -234,7 +234,7 @@ def test_cli_rejects_a_bad_hang_timeout_with_a_usage_error(tmp_path, capfd):
         )
 
     assert exit_info.value.code == 2
-    assert "hang_timeout=nan" in capfd.readouterr().err
+    assert "Received: --hang-timeout nan" in capfd.readouterr().err
 
 
 # -- who is behind -------------------------------------------------------------
