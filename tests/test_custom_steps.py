@@ -95,6 +95,9 @@ def two_process_results(tmp_path_factory):
 @pytest.mark.backend("torch")
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_user_step_matches_plain_keras_on_two_processes(two_process_results, name):
+    if name == "output_loss":
+        # Padded rows reach its own term over y_pred, as warned (test below).
+        pytest.skip("the processes get padded batches: tested by the warning")
     for result in two_process_results:
         custom_step_models.assert_same(result[name]["ours"], result[name]["plain"])
 
@@ -111,6 +114,9 @@ def test_a_padded_batch_in_a_user_step_is_announced_once_by_process_zero(
     assert rank_1["guide"]["warnings"] == []
     # Plain Keras steps are not the user's: no warning for them.
     assert rank_0["multi_output"]["warnings"] == []
+    # An own compute_loss is (its term over y_pred sees the padding rows).
+    (warned,) = rank_0["output_loss"]["warnings"]
+    assert "OutputLossModel.train_step" in warned
 
 
 @pytest.mark.backend("jax")

@@ -286,8 +286,13 @@ def _update_metrics(
 
 def user_steps(model: Any) -> set[str]:
     """The step methods `model`'s class overrides: its own code, which keras_dist
-    runs as written (see `custom_steps`)."""
-    return set(overridden(model, TorchTrainer, STEP_METHODS))
+    runs as written (see `custom_steps`). An own `compute_loss` makes Keras'
+    train and test steps (which call it) the user's, as on the other backends:
+    a term it adds over the predictions sees padding rows, which is said."""
+    steps = set(overridden(model, TorchTrainer, STEP_METHODS))
+    if overridden(model, TorchTrainer, ("compute_loss",)):
+        steps |= {"train_step", "test_step"}
+    return steps
 
 
 def _rows(model: Any, batch: Any, collectives: Collectives, **options: Any) -> StepRows:
