@@ -8,8 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${KERAS_NIGHTLY_VENV:-.venv-nightly}"
 [ -x "$venv/bin/python" ] || "${PYTHON_FOR_VENV:-python3.11}" -m venv "$venv"
-"$venv/bin/pip" install -q -c constraints/cpu.txt -e ".[all-cpu]"
-"$venv/bin/pip" install -q --no-deps keras-hub==0.32.0
+# The three backends and the test tools: the listed tests need neither Ray,
+# KerasHub nor the docs packages.
+"$venv/bin/pip" install -q -c constraints/cpu.txt -e ".[jax,torch,tensorflow-cpu,test]"
 # The release Keras out, the pinned nightly in: both are the `keras` package
 # (both uninstalled first, so that a reused venv gets whole files).
 "$venv/bin/pip" uninstall -q -y keras keras-nightly 2>/dev/null || true
