@@ -2,11 +2,12 @@
 
 Run the suite once per backend (`tests/run_all_backends.sh` does). Tests marked
 `@pytest.mark.backend("jax")` run only under that backend. JAX and TensorFlow
-runs set `KERAS_DIST_CPU_DEVICES=8` so that 8 simulated CPU devices exist.
+runs simulate CPU devices (`KERAS_DIST_CPU_DEVICES`: 8 on JAX, 4 on TensorFlow).
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -20,6 +21,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent / "workers"))
 BACKEND = keras.backend.backend()
 
 
+# Tests marked `backend_neutral` do the same under every backend (the
+# launcher, the package's import rules, ...): they run once, under this one.
+NEUTRAL_BACKEND = os.environ.get("KERAS_DIST_NEUTRAL_TESTS_BACKEND", "jax")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         marker = item.get_closest_marker("backend")
@@ -27,6 +33,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(
                 pytest.mark.skip(
                     reason=f"needs backend {marker.args}, running {BACKEND}"
+                )
+            )
+        elif (
+            marker is None
+            and item.get_closest_marker("backend_neutral") is not None
+            and BACKEND != NEUTRAL_BACKEND
+        ):
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"backend-neutral: runs once, under {NEUTRAL_BACKEND} "
+                    "(KERAS_DIST_NEUTRAL_TESTS_BACKEND)"
                 )
             )
 

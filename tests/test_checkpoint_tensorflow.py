@@ -41,6 +41,17 @@ def _predict(model, x):
     return np.asarray(model(x, training=False))
 
 
+def _four_devices():
+    return kd.DataParallel(devices=kd.list_devices()[:DEVICES])
+
+
+def _mirrored_model():
+    """Built in the distribution's scope: its variables stay mirrored between
+    calls (a model built outside is an ordinary one again after each)."""
+    with _four_devices().scope():
+        return worker.model()
+
+
 def _train(model, seed=0):
     """A few steps on 4 replicas (the last batch padded: 45 rows by 12)."""
     x, y = worker.data()
@@ -52,9 +63,7 @@ def _train(model, seed=0):
         epochs=1,
         shuffle=False,
         verbose=0,
-        callbacks=[
-            kd.DistributeCallback(kd.DataParallel(devices=kd.list_devices()[:DEVICES]))
-        ],
+        callbacks=[kd.DistributeCallback(_four_devices())],
     )
     return model
 
@@ -76,7 +85,7 @@ def _replicas(variable):
 @pytest.fixture(scope="module")
 def four_replicas():
     assert len(kd.list_devices()) >= DEVICES, "run with KERAS_DIST_CPU_DEVICES=8"
-    return _train(worker.model())
+    return _train(_mirrored_model())
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +142,7 @@ def test_assign_arrays_and_load_onto_four_replicas(four_replicas, saved):
     directory, entries = saved
     x, _ = worker.data()
     expected = _predict(four_replicas, x)
-    other = _train(worker.model(), seed=5)  # other values, same 4 replicas
+    other = _train(_mirrored_model(), seed=5)  # other values, same 4 replicas
     state = saveable_variables(other)
     assert np.abs(_predict(other, x) - expected).max() > 1e-3
     arrays = engine.read_arrays(directory, entries)

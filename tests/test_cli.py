@@ -19,6 +19,9 @@ import pytest
 
 from keras_dist import cli
 
+# The same under every backend: run once (tests/conftest.py).
+pytestmark = pytest.mark.backend_neutral
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PLAN = ["plan", "--mesh", "1", "--axes", "batch"]
 

@@ -33,6 +33,9 @@ from keras_dist.cluster import (
 from keras_dist.common import job
 from keras_dist.runtime import api as runtime
 
+# The same under every backend: run once (tests/conftest.py).
+pytestmark = pytest.mark.backend_neutral
+
 BACKEND = keras.backend.backend()
 
 

@@ -17,6 +17,9 @@ import pytest
 import keras_dist as kd
 from keras_dist.training.session import active_run
 
+# The same under every backend: run once (tests/conftest.py).
+pytestmark = pytest.mark.backend_neutral
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A home or work directory of some machine: /home/ann/..., /Users/bo/..., /work/...
 MACHINE_PATH = re.compile(r"(?<![\w.~])/(?:home|Users|root|work)/[\w.-]+")
@@ -48,6 +51,8 @@ def _words(text: str) -> str:
     return " ".join(text.split())
 
 
+# Trains under the suite's backend: on every backend.
+@pytest.mark.backend("jax", "tensorflow", "torch")
 def test_readme_says_scope_distributes_only_trainer_models_and_fit_agrees():
     readme = _words((REPO / "README.md").read_text())
     assert (

@@ -25,6 +25,9 @@ import pytest
 from keras_dist import cli
 from keras_dist.cluster import launcher
 
+# The same under every backend: run once (tests/conftest.py).
+pytestmark = pytest.mark.backend_neutral
+
 REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
 LAUNCHER_FILE = REPOSITORY / "keras_dist" / "cluster" / "launcher.py"
 TIMEOUT_SECONDS = 120  # a launcher process imports keras and a backend first

@@ -29,17 +29,29 @@ TWO_BY_TWO = {"KERAS_BACKEND": "jax", "KERAS_DIST_CPU_DEVICES": "2"}
 ONE_BY_FOUR = {"KERAS_BACKEND": "jax", "KERAS_DIST_CPU_DEVICES": "4"}
 
 
-@pytest.mark.parametrize(
-    "kind", ["numpy", "tf_data", "py_dataset", "torch_loader", "generator"]
-)
-def test_every_sample_once_per_epoch_across_processes(kind, tmp_path):
+def test_every_sample_once_per_epoch_across_processes(tmp_path):
+    """Arrays, tf.data, a PyDataset, a DataLoader and a generator, in one job."""
     results = run_job(
-        "jax_worker.py", [kind], processes=2, env=TWO_BY_TWO, output_dir=tmp_path
+        "jax_worker.py",
+        ["every_kind"],
+        processes=2,
+        env=TWO_BY_TWO,
+        output_dir=tmp_path,
     )
-    assert_each_sample_once_per_epoch(results, 37)
-    if kind == "numpy":
-        # Shuffled: a new global permutation each epoch.
-        assert results[0]["ids"][0] != results[0]["ids"][1]
+    kinds = results[0]["ids_by_kind"]
+    assert list(kinds) == [
+        "numpy",
+        "tf_data",
+        "py_dataset",
+        "torch_loader",
+        "generator",
+    ]
+    for kind in kinds:
+        per_process = [{"ids": result["ids_by_kind"][kind]} for result in results]
+        assert_each_sample_once_per_epoch(per_process, 37)
+    # Shuffled arrays: a new global permutation each epoch.
+    numpy_ids = results[0]["ids_by_kind"]["numpy"]
+    assert numpy_ids[0] != numpy_ids[1]
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+# The same under every backend: run once (tests/conftest.py).
+pytestmark = pytest.mark.backend_neutral
+
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_dist"
 BACKEND_IMPORT = re.compile(r"^\s*(import|from)\s+(jax|torch|tensorflow)\b", re.M)
 

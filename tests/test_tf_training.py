@@ -53,10 +53,9 @@ def test_callback_matches_single_device_for_a_model_built_outside_the_scope(
     assert _replicas(model.get_layer("hidden").kernel) == 1
     result = _fit_evaluate_predict(model, lambda: [kd.DistributeCallback(distribution)])
     parity.assert_same_training(reference, result, reference_model, model)
-    # Its variables, optimizer slots and step counter were mirrored on the 4
-    # devices, keeping their values: every step ran once, not once per replica.
-    assert _replicas(model.get_layer("hidden").kernel) == DEVICES
-    assert all(_replicas(v) == DEVICES for v in model.optimizer.variables)
+    # Every step ran once, not once per replica; after the calls the model's
+    # variables are plain ones again (`test_after_each_call_...`).
+    assert all(_replicas(v) == 1 for v in model.optimizer.variables)
     steps = reference_model.optimizer.iterations.numpy()
     assert model.optimizer.iterations.numpy() == steps
     assert kd.distribution() is None
@@ -112,7 +111,8 @@ def test_trainer_mixin_matches_single_device(single_device_run):
     result = _fit_evaluate_predict(model, lambda: None)
     parity.assert_same_training(reference, result, reference_model, model)
     assert kd.distribution() is None
-    assert _replicas(model.get_layer("hidden").kernel) == DEVICES
+    # Built outside the scope: mirrored during each call, plain after it.
+    assert _replicas(model.get_layer("hidden").kernel) == 1
 
 
 def test_trainer_uses_the_global_distribution(single_device_run, unpatched_keras):
@@ -341,6 +341,202 @@ def test_fit_in_a_loop_reuses_the_traced_step_and_trains_like_one_device():
     reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def _fit_one_epoch(model, callbacks=()):
+    x, y = parity.data()
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=list(callbacks),
+    )
+
+
+def test_after_each_call_the_model_is_an_ordinary_keras_model_again():
+    """Keras' own BackupAndRestore tests read `int(layer.counter.value)` after
+    a distributed `fit`: a `MirroredVariable` has no `__int__`. During a call
+    the variables are mirrored on the devices; after it, plain TF variables
+    holding the trained values, so that what the user does between calls
+    (assign, plain Keras `fit`) acts on the model the next call trains."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    reference = parity.sequential()
+    model = parity.sequential()
+    distribution = _distribution()
+    during = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            kernel = self.model.get_layer("hidden").kernel
+            during.append(
+                (_replicas(kernel), _replicas(self.model.optimizer.iterations))
+            )
+
+    _fit_one_epoch(reference)
+    _fit_one_epoch(model, [kd.DistributeCallback(distribution), Record()])
+    assert set(during) == {(DEVICES, DEVICES)}
+    variables = model.variables + model.optimizer.variables + model.metrics_variables
+    assert all(_replicas(v) == 1 for v in variables)
+    assert not any(
+        isinstance(v.value, tf.distribute.DistributedValues) for v in variables
+    )
+    assert int(model.optimizer.iterations.value) == int(
+        reference.optimizer.iterations.value
+    )
+    assert model.distribute_strategy is tf.distribute.get_strategy()
+    # Set between calls, trained from by the next call; then plain Keras.
+    for each in (reference, model):
+        each.get_layer("head").bias.assign(np.full((3,), 0.5, "float32"))
+    _fit_one_epoch(reference)
+    _fit_one_epoch(model, [kd.DistributeCallback(distribution), Record()])
+    _fit_one_epoch(reference)
+    _fit_one_epoch(model)
+    assert all(_replicas(v) == 1 for v in model.variables)
+    for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+    for ours, theirs in zip(
+        model.optimizer.variables, reference.optimizer.variables, strict=True
+    ):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=1e-5, rtol=0)
+
+
+def test_ema_weights_swapped_by_keras_callback_match_single_device():
+    """`use_ema=True` and `keras.callbacks.SwapEMAWeights` (which swaps through
+    the optimizer's strategy): as in plain Keras on one device."""
+
+    def build():
+        # As Keras' own SwapEMAWeights tests, a model built by `fit` (their
+        # jit_compile=True is refused on CPU devices: the next test).
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential(parity.layers()[1:])
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9),
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+        )
+        return model
+
+    x, y = parity.data()
+    results = []
+    distribution = _distribution()
+    for distributed in (False, True):
+        callbacks = [kd.DistributeCallback(distribution)] if distributed else []
+        model = build()
+        history = model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            validation_data=(x, y),
+            callbacks=[keras.callbacks.SwapEMAWeights(swap_on_epoch=True), *callbacks],
+        )
+        evaluated = model.evaluate(
+            x,
+            y,
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[
+                keras.callbacks.SwapEMAWeights(),
+                *([kd.DistributeCallback(distribution)] if distributed else []),
+            ],
+        )
+        results.append((model.get_weights(), history.history, evaluated))
+    (reference, reference_logs, reference_eval), (ours, logs, evaluated) = results
+    for mine, theirs in zip(ours, reference, strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-5, rtol=0)
+    for key, values in reference_logs.items():
+        np.testing.assert_allclose(logs[key], values, atol=1e-5, rtol=0, err_msg=key)
+    np.testing.assert_allclose(evaluated, reference_eval, atol=1e-5, rtol=0)
+
+
+def test_xla_on_several_cpu_devices_is_refused_before_a_step():
+    """XLA cannot run a replica step over logical CPU devices (plain Keras with
+    its own MirroredStrategy fails the same, deep inside the first step)."""
+    model = parity.sequential()
+    model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    before = [w.copy() for w in model.get_weights()]
+    x, y = parity.data()
+    with pytest.raises(ValueError, match=r"jit_compile=True cannot run on several CPU"):
+        model.fit(
+            x,
+            keras.ops.one_hot(y, 3),
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(_distribution())],
+        )
+    for now, then in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(now, then)
+    assert kd.distribution() is None
+
+
+def test_scalar_variables_read_as_numbers_during_a_call():
+    """Keras' own callback test reads `int(model.iterations)` in a callback:
+    a mirrored variable had no `__int__`."""
+    model = parity.sequential()
+    seen = []
+
+    class Read(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            iterations = self.model.optimizer.iterations
+            assert _replicas(iterations) == DEVICES
+            seen.append((int(iterations), float(iterations)))
+
+    _fit_one_epoch(model, [kd.DistributeCallback(_distribution()), Read()])
+    steps = -(-parity.SAMPLES // BATCH)
+    assert seen == [(step, float(step)) for step in range(1, steps + 1)]
+
+
+def test_predict_of_a_tuple_or_dict_input_matches_plain_keras():
+    """A tuple `x` is one input of two parts (Keras packs it `((x1, x2),)`),
+    not an input and a target."""
+
+    class TupleInput(keras.Model):
+        def call(self, inputs):
+            first, second = inputs
+            return first + second
+
+    class DictInput(keras.Model):
+        def call(self, inputs):
+            return inputs["a"] * inputs["b"]
+
+    rng = np.random.default_rng(3)
+    first, second = rng.random((2, 21, 4)).astype("float32")
+    for model, x in (
+        (TupleInput(), (first, second)),
+        (DictInput(), {"a": first, "b": second}),
+    ):
+        expected = model.predict(x, batch_size=BATCH, verbose=0)
+        ours = model.predict(
+            x,
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(_distribution())],
+        )
+        np.testing.assert_allclose(ours, expected, atol=1e-6, rtol=0)
+
+
+def test_a_model_built_in_another_strategys_scope_is_refused_naming_it():
+    import tensorflow as tf  # noqa: PLC0415
+
+    users_own = tf.distribute.MirroredStrategy(devices=["/cpu:0", "/cpu:1"])
+    with users_own.scope():
+        model = parity.sequential()
+    x, y = parity.data()
+    with pytest.raises(ValueError, match=r"built in the scope of another.*Mirrored"):
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(_distribution())],
+        )
+    assert kd.distribution() is None
 
 
 def test_strategies_over_different_devices_and_the_users_own_share_a_process():

@@ -1,7 +1,9 @@
 """One process of the Keras-version jobs (tests/test_keras_versions.py):
 what each process did, counted, while keras_dist drove `fit`.
 
-Usage: python keras_versions_worker.py ENTRY OUTPUT_JSON
+Usage: python keras_versions_worker.py ENTRY[,ENTRY...] OUTPUT_JSON
+Several entries run one after the other in the same job (one start-up), each
+with a model of its own; the JSON maps each entry to its result.
 ENTRY is how the distribution reaches `fit`: `callback` (a DistributeCallback),
 `trainer` (`kd.Trainer(distribution=...)`), `trainer_global` (a `kd.Trainer`
 under `kd.set_distribution`: the training data's adapter is built while the
@@ -121,8 +123,7 @@ def _model_parallel() -> kd.ModelParallel:
     return kd.ModelParallel(layout_map=layout_map)
 
 
-def main() -> None:
-    entry, output = sys.argv[1], pathlib.Path(sys.argv[2])
+def run_entry(entry: str) -> dict:
     distribution = kd.DataParallel()
     callbacks = []
     if entry == "callback":
@@ -161,6 +162,13 @@ def main() -> None:
         }
     if entry == "model_parallel_scope":
         result["model_parallel"] = {**during.seen, "kernel_built_as": built}
+    return result
+
+
+def main() -> None:
+    entries, output = sys.argv[1].split(","), pathlib.Path(sys.argv[2])
+    result = {entry: run_entry(entry) for entry in entries}
+    result = result[entries[0]] if len(entries) == 1 else result
     result["process_id"] = kd.process_id()
     output.write_text(json.dumps(result))
 

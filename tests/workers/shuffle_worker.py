@@ -1,7 +1,9 @@
 """One process of a multi-process `fit(shuffle=...)` job.
 
-Usage: python shuffle_worker.py KIND SEEDING OUTPUT_JSON
-KIND: "arrays", "batch" or "py_dataset" (see `shuffle_scenario.fit_kwargs`).
+Usage: python shuffle_worker.py KIND[,KIND...] SEEDING OUTPUT_JSON
+KIND: "arrays", "batch" or "py_dataset" (see `shuffle_scenario.fit_kwargs`);
+several run one after the other in the job (one start-up), the JSON mapping
+each to its result.
 SEEDING: "same" (every process seeds alike) or "apart" (after seeding, the
 processes' global generators are moved apart: process 0's must win).
 """
@@ -25,7 +27,7 @@ import shuffle_scenario  # noqa: E402
 
 
 def main() -> None:
-    kind, seeding, output = sys.argv[1], sys.argv[2], sys.argv[3]
+    kinds, seeding, output = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 
     class MoveApart(keras.callbacks.Callback):
         """Each process draws a different number of values before training."""
@@ -39,9 +41,12 @@ def main() -> None:
 
                     torch.rand(3)
 
-    result = shuffle_scenario.train(
-        kind, [kd.DistributeCallback(kd.DataParallel()), MoveApart()]
-    )
+    result = {
+        kind: shuffle_scenario.train(
+            kind, [kd.DistributeCallback(kd.DataParallel()), MoveApart()]
+        )
+        for kind in kinds
+    }
     result["processes"] = kd.num_processes()
     pathlib.Path(output).write_text(json.dumps(result))
 

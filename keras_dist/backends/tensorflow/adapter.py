@@ -442,6 +442,38 @@ class TensorFlowAdapter(BackendAdapter):
                 "steps_per_execution=1 (the default), or use KERAS_BACKEND=jax. "
                 f"Received: steps_per_execution={steps_per_execution}"
             )
+        local_devices = strategy.extended.worker_devices
+        if getattr(model, "jit_compile", False) is True and (
+            len(local_devices) > 1 and all("CPU" in d.upper() for d in local_devices)
+        ):
+            raise ValueError(
+                "jit_compile=True cannot run on several CPU devices of one "
+                "TensorFlow process: they are logical devices of one host, and "
+                "XLA refuses a replica's step reading a variable of another "
+                "logical device (TensorFlow's known issue 'tf.Variable on a "
+                "different device'; plain Keras with its own MirroredStrategy "
+                "fails the same). Compile with jit_compile=False or 'auto' (Keras "
+                "turns XLA off under tf.distribute), or use KERAS_BACKEND=jax. "
+                f"Received: jit_compile=True on devices {list(local_devices)}"
+            )
+        own = getattr(model, "_distribute_strategy", None)
+        if (
+            own is not None
+            and own is not strategy
+            and (own is not tf.distribute.get_strategy())
+        ):
+            raise ValueError(
+                f"Model {model.name!r} was built in the scope of another "
+                "tf.distribute strategy than this distribution's (your own, or "
+                "another distribution's devices): TensorFlow cannot mix two "
+                "strategies in one model. Build the model outside any "
+                "strategy (keras_dist mirrors it when the call starts) or in "
+                "`distribution.scope()`, or train it with your strategy and "
+                f"without keras_dist. Received: {type(own).__name__} over "
+                f"{list(own.extended.worker_devices)}"
+            )
+        internals.install_scalar_reads()
+        self._on_deactivate(model, self._ordinary_between_calls(model, strategy))
         internals.attach_strategy(model, strategy)
         self._on_deactivate(model, internals.build_optimizer_in_scope(model, strategy))
         shuffle_stream = self._shuffle_stream = self.shuffle_stream(strategy)
@@ -517,6 +549,34 @@ class TensorFlowAdapter(BackendAdapter):
             model, distribution, lambda: keras_steps.make_steps(model, user_steps)
         )
         self._on_deactivate(model, lambda: remove_cached_steps(model))
+
+    def _ordinary_between_calls(self, model: Any, strategy: Any) -> Any:
+        """Give `model` back its variables mirrored by an earlier call; return
+        the undo that makes it an ordinary Keras model again when the call
+        ends: plain TF variables, no strategy (the undo runs last).
+
+        Kept as they are: a model built in the strategy's scope (the user's
+        choice, as in Keras' own tf.distribute use), and a multi-process job,
+        where reading a summed variable would be a collective of all workers.
+        """
+        strategies = [(model, model._distribute_strategy)] + [
+            (optimizer, optimizer._distribution_strategy)
+            for optimizer in internals.held_optimizers(model)
+            if hasattr(optimizer, "_distribution_strategy")
+        ]
+        if strategies[0][1] is strategy or self._multi_worker is not None:
+            return lambda: None
+        internals.remirror_variables(model, strategy)
+
+        def undo() -> None:
+            internals.unmirror_variables(model, strategy)
+            for owner, previous in strategies:
+                if owner is model:
+                    owner._distribute_strategy = previous
+                else:
+                    owner._distribution_strategy = previous
+
+        return undo
 
     def deactivate(self, model: Any) -> None:
         self._undo_activation(model)

@@ -52,9 +52,10 @@ def split_global_batches(
     local_replicas = num_replicas // num_workers
 
     def split(*element: Any) -> dict[str, Any]:
-        data = element if len(element) > 1 else element[0]
-        if not isinstance(data, tuple):
-            data = (data,)
+        # tf.data passes a tuple element's parts as arguments: `element` is
+        # the element as a tuple, Keras' packing kept (a predict input that
+        # is itself a tuple, `((x1, x2),)`, stays one input).
+        data = element
         leaves = tf.nest.flatten(data)
         rows = tf.shape(leaves[0], out_type=tf.int64)[0]
         padded = (rows + num_replicas - 1) // num_replicas * num_replicas

@@ -26,6 +26,7 @@ from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 from tensorflow.python.checkpoint import async_checkpoint_helper
 from tensorflow.python.eager import context as tf_context
 
+from keras_dist.common.row_aware import optimizers_of
 from keras_dist.keras_compat import backend as keras_backends
 from keras_dist.keras_compat.data_adapters import adapter_epoch
 from keras_dist.keras_compat.epoch_iterator import EpochRouting
@@ -288,6 +289,27 @@ def install_multi_worker_fixes() -> None:
     TensorFlowTrainer._maybe_symbolic_build = maybe_symbolic_build
 
 
+def install_scalar_reads() -> None:
+    """`int(v)` and `float(v)` of a scalar Keras variable mirrored by a
+    strategy read its value, as for a plain variable (idempotent). Keras'
+    `int(self.value)` raises `TypeError` there: tf.distribute's variables
+    have no `__int__` (plain Keras under a `MirroredStrategy` too)."""
+    variable_class = keras_backends.variable_class("tensorflow")
+    if getattr(variable_class.__int__, "_keras_dist", False):
+        return
+    for name, convert in (("__int__", int), ("__float__", float)):
+        original = getattr(variable_class, name)
+
+        def read(self: Any, _original: Any = original, _convert: Any = convert) -> Any:
+            value = self.value
+            if self.ndim == 0 and isinstance(value, tf.distribute.DistributedValues):
+                return _convert(value.read_value())
+            return _original(self)
+
+        read._keras_dist = True
+        setattr(variable_class, name, read)
+
+
 def manage(strategy: Any) -> Callable[[], None]:
     """Mark `strategy`'s step outputs as keras_dist's; return the undo."""
     install_multi_worker_fixes()
@@ -341,9 +363,15 @@ def recreate_in_scope(strategy: Any, variables: list[Any], optimizer: Any) -> No
                 variable._initialize(value)
             if optimizer is not None:
                 keys[old_key] = optimizer._var_key(variable)
+    _rekey(with_inner_optimizer(optimizer), keys)
+
+
+def _rekey(optimizers: list[Any], keys: dict[Any, Any]) -> None:
+    """Rebuild the indices by which `optimizers` find their variables (their
+    TF variables' ids) after those changed (`keys`: old key -> new key)."""
     # A loss-scaling optimizer's inner optimizer applies the updates: its
     # indices are rebuilt too.
-    for each in with_inner_optimizer(optimizer):
+    for each in optimizers:
         if not each.built:
             continue
         each._trainable_variables_indices = {
@@ -353,6 +381,88 @@ def recreate_in_scope(strategy: Any, variables: list[Any], optimizer: Any) -> No
         if excluded:
             each._exclude_from_weight_decay = {keys.get(k, k) for k in excluded}
         each._exclude_from_weight_decay_cache = {}
+
+
+# -- an ordinary Keras model between calls -------------------------------------
+# On a Keras variable between runs: (the strategy, the TF variable it created).
+_MIRRORED = "_keras_dist_mirrored"
+
+
+def held_optimizers(model: Any) -> list[Any]:
+    """Every optimizer `model` holds (a GAN's too), inner optimizers included."""
+    return [
+        each
+        for optimizer in optimizers_of(model)
+        for each in with_inner_optimizer(optimizer)
+    ]
+
+
+def _run_variables(model: Any) -> list[Any]:
+    variables = all_variables(model)
+    for optimizer in held_optimizers(model):
+        variables += list(optimizer.variables)
+    return list({id(v): v for v in variables}.values())
+
+
+def _swap_backing(model: Any, swap: Callable[[Any], bool]) -> None:
+    """Call `swap(variable)` on each of `model`'s variables; where it changed
+    the backing TF variable, rebuild the optimizers' indices."""
+    optimizers = held_optimizers(model)
+    key_of = optimizers[0]._var_key if optimizers else id
+    keys: dict[Any, Any] = {}
+    for variable in _run_variables(model):
+        if variable._value is None:
+            continue
+        old_key = key_of(variable)
+        if swap(variable):
+            keys[old_key] = key_of(variable)
+    if keys:
+        _rekey(optimizers, keys)
+
+
+def unmirror_variables(model: Any, strategy: Any) -> None:
+    """After a run: every variable `strategy` created for `model` is a plain
+    TF variable again, with the value it has (a summed variable: the sum), so
+    that the model is an ordinary Keras model between calls (`int(v.value)`,
+    `var.assign`, plain Keras `fit`). The mirrored variable is kept for the
+    next run under `strategy` (`remirror_variables`), whose compiled steps
+    captured it: no tracing again."""
+
+    def swap(variable: Any) -> bool:
+        mirrored = variable._value
+        if not strategy.extended.variable_created_in_scope(mirrored):
+            return False
+        value = mirrored.read_value()
+        variable.__dict__[_MIRRORED] = (strategy, mirrored)
+        variable._value = None
+        with tf.init_scope():
+            variable._initialize(value)
+        return True
+
+    _swap_backing(model, swap)
+
+
+def remirror_variables(model: Any, strategy: Any) -> None:
+    """Before a run under `strategy`: the variables an earlier run under it
+    mirrored get that mirrored variable back, holding the value they have now
+    (set by the user between the calls, say). Variables mirrored by another
+    strategy stay plain (`mirror_variables` creates them again)."""
+
+    def swap(variable: Any) -> bool:
+        owner, mirrored = variable.__dict__.pop(_MIRRORED, (None, None))
+        if owner is not strategy:
+            return False
+        value = variable._value.read_value()
+        if summed_on_read(variable):
+            # The copies' sum is the value: all of it in the first copy.
+            for index, copy in enumerate(mirrored.values):
+                copy.assign(value if index == 0 else tf.zeros_like(value))
+        else:
+            mirrored.assign(value)
+        variable._value = mirrored
+        return True
+
+    _swap_backing(model, swap)
 
 
 def summed_on_read(variable: Any) -> bool:
