@@ -101,6 +101,23 @@ def assert_each_sample_once_per_epoch(results: list[dict], samples: int) -> None
         assert sorted(seen) == list(map(float, range(samples)))
 
 
+def assert_each_input_type_once_per_epoch(results: list[dict], samples: int) -> None:
+    """`assert_each_sample_once_per_epoch` for each input type of a job that
+    read them all in turn (`ids_by_kind`: arrays, tf.data, a PyDataset, a
+    DataLoader, a generator)."""
+    kinds = results[0]["ids_by_kind"]
+    assert list(kinds) == [
+        "numpy",
+        "tf_data",
+        "py_dataset",
+        "torch_loader",
+        "generator",
+    ]
+    for kind in kinds:
+        per_process = [{"ids": result["ids_by_kind"][kind]} for result in results]
+        assert_each_sample_once_per_epoch(per_process, samples)
+
+
 def assert_own_data_parity(results: list[dict], reference: dict) -> None:
     """Processes that fed their own data trained like the one-process run."""
     import numpy as np  # noqa: PLC0415
