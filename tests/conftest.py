@@ -26,7 +26,40 @@ BACKEND = keras.backend.backend()
 NEUTRAL_BACKEND = os.environ.get("KERAS_DIST_NEUTRAL_TESTS_BACKEND", "jax")
 
 
+# Modules whose tests start real processes (or a Ray cluster) run first, the
+# longest first, so that xdist's workers end together instead of one waiting
+# for the other's last long job (CI's time). The order within a module stays.
+RUN_FIRST = (
+    "integrations/test_ray.py",
+    "test_multiprocess_torch.py",
+    "test_checkpoint_jobs.py",
+    "test_multiprocess_tf.py",
+    "test_multiprocess_jax.py",
+    "test_layouts.py",
+    "test_example_resume.py",
+    "test_keras_versions.py",
+    "test_one_writer.py",
+    "test_fault_lifecycle.py",
+    "test_examples_torch.py",
+    "test_checkpoint_jax.py",
+    "test_failure_recovery.py",
+    "test_docs_code_blocks.py",
+    "test_shuffle_order.py",
+    "test_checkpoint_tensorflow.py",
+    "test_multiprocess_torch_fsdp",
+)
+
+
+def _run_first_rank(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    for rank, name in enumerate(RUN_FIRST):
+        if path.startswith(f"tests/{name}"):
+            return rank
+    return len(RUN_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_run_first_rank)
     for item in items:
         marker = item.get_closest_marker("backend")
         if marker is not None and BACKEND not in marker.args:
@@ -46,6 +79,32 @@ def pytest_collection_modifyitems(config, items):
                     "(KERAS_DIST_NEUTRAL_TESTS_BACKEND)"
                 )
             )
+
+
+TIMELINE = os.environ.get("KERAS_DIST_TEST_TIMELINE")
+
+
+if TIMELINE:
+    import json
+    import time
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        """KERAS_DIST_TEST_TIMELINE=FILE: one JSON line per test (worker, start,
+        end) appended to FILE, to see how CI's time is spent."""
+        start = time.time()
+        try:
+            return (yield)
+        finally:
+            with open(TIMELINE, "a") as timeline:
+                line = {
+                    "test": item.nodeid,
+                    "backend": BACKEND,
+                    "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                    "start": start,
+                    "end": time.time(),
+                }
+                timeline.write(json.dumps(line) + "\n")
 
 
 @pytest.fixture(autouse=True)

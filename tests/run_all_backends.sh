@@ -18,6 +18,6 @@ for backend in jax tensorflow torch; do
   [ "$backend" = tensorflow ] && devices=4
   [ "$backend" = torch ] && devices=""
   KERAS_BACKEND=$backend KERAS_DIST_CPU_DEVICES=$devices TF_CPP_MIN_LOG_LEVEL=2 \
-    "$PYTHON" -m pytest -n "$workers" -q "$@" ${KERAS_DIST_TESTS:-tests} || status=$?
+    "$PYTHON" -m pytest -n "$workers" --dist worksteal -q "$@" ${KERAS_DIST_TESTS:-tests} || status=$?
 done
 exit $status

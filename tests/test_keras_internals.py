@@ -93,6 +93,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.backend_neutral  # keras_dist's own import, before any backend
 def test_a_keras_older_than_the_supported_range_is_one_clear_error():
     done = _run(
         """
@@ -139,6 +140,7 @@ def test_a_keras_that_moved_what_an_adapter_imports_is_one_clear_error():
     assert "keras>=3.15,<3.17" in line
 
 
+@pytest.mark.backend_neutral  # keras_dist's lazy API, before any backend
 def test_plain_keras_keeps_working_when_keras_dist_cannot_load(monkeypatch):
     # keras_dist imported first, Keras after it: keras_dist's API loads right
     # after Keras. When that fails, `import keras` still works and the first use

@@ -18,6 +18,7 @@ from keras_dist.distribution.mesh import (
     describe_mesh,
     validate_axes_in_mesh,
 )
+from keras_dist.distribution.remat import check_remat
 from keras_dist.keras_compat.data_adapters import (
     is_tf_dataset,
     keras_builds_data_adapter,
@@ -53,6 +54,17 @@ class Distribution(KerasDistribution):
         auto_shard_dataset: whether keras_dist splits the input between
             processes. Set it to `False` when each process already reads its
             own part of the data.
+        remat: keyword only. Activation checkpointing: recompute layers'
+            activations in the backward pass instead of keeping them, for
+            less memory at the cost of one more forward computation. A mode
+            of Keras' `keras.RematScope` (`"full"`, `"activations"`,
+            `"larger_than"`) or a `keras.RematScope` (for `"list_of_layers"`
+            with `layer_names`, or a threshold). The model's layers get the
+            mode for each call, as if built inside the scope; layers whose
+            call updates state (Dropout, BatchNormalization) are left out,
+            saying so, and `"full"` recomputes the outermost layers that
+            qualify, each as one piece. Training is unchanged. JAX and
+            PyTorch (TensorFlow raises `NotImplementedError`).
     """
 
     #: Capabilities the backend adapters read (they never ask for a type).
@@ -73,7 +85,10 @@ class Distribution(KerasDistribution):
         device_mesh: Any,
         batch_dim_name: str | None = None,
         auto_shard_dataset: bool = True,
+        *,
+        remat: Any = None,
     ):
+        self._remat = check_remat(remat)
         self._device_mesh = _check_mesh(device_mesh)
         if batch_dim_name is None:
             batch_dim_name = device_mesh.axis_names[0]
@@ -111,6 +126,12 @@ class Distribution(KerasDistribution):
                 f"auto_shard_dataset={value!r}"
             )
         self._auto_shard_dataset = value
+
+    @property
+    def remat(self) -> Any:
+        """The `keras.RematScope` whose mode layers are recomputed with in
+        backward, or None (see `remat=`)."""
+        return self._remat
 
     @property
     def num_model_replicas(self) -> int:
@@ -230,6 +251,7 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
             `tf.distribute` do by default (the moving statistics are still kept
             equal everywhere). On JAX the statistics are global either way, as
             in Keras' own `DataParallel`.
+        remat: keyword only; see `Distribution`.
 
     With neither argument, every device of `list_devices()` is used.
 
@@ -247,6 +269,7 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
         auto_shard_dataset: bool = True,
         *,
         sync_batch_norm: bool = True,
+        remat: Any = None,
     ):
         if not isinstance(sync_batch_norm, bool):
             raise TypeError(
@@ -285,7 +308,9 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
                 UserWarning,
                 stacklevel=2,
             )
-        super().__init__(device_mesh, device_mesh.axis_names[0], auto_shard_dataset)
+        super().__init__(
+            device_mesh, device_mesh.axis_names[0], auto_shard_dataset, remat=remat
+        )
 
     @property
     def sync_batch_norm(self) -> bool:
@@ -308,6 +333,7 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
         batch_dim_name: the mesh axis that splits the batch. Defaults to the
             mesh's first axis.
         auto_shard_dataset: see `Distribution`.
+        remat: keyword only; see `Distribution`.
 
     Example:
 
@@ -325,6 +351,8 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
         layout_map: Any = None,
         batch_dim_name: str | None = None,
         auto_shard_dataset: bool = True,
+        *,
+        remat: Any = None,
     ):
         if layout_map is None:
             raise ValueError(
@@ -364,7 +392,7 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
                 ) from None
             layout = layout_map[key]
             validate_axes_in_mesh(layout.axes, device_mesh)
-        super().__init__(device_mesh, batch_dim_name, auto_shard_dataset)
+        super().__init__(device_mesh, batch_dim_name, auto_shard_dataset, remat=remat)
         self._layout_map = layout_map
         replicas = self.num_model_replicas
         if self._num_processes > replicas and self._num_processes % replicas != 0:
@@ -459,6 +487,8 @@ class FSDP(ModelParallel):
             a tiny tensor costs more in latency than its memory is worth.
         layout_map: an optional `LayoutMap` for the other mesh axes.
         auto_shard_dataset: see `Distribution`.
+        remat: keyword only; see `Distribution` (activation checkpointing, for
+            models whose activations do not fit beside their shards).
 
     Example:
 
@@ -478,6 +508,7 @@ class FSDP(ModelParallel):
         auto_shard_dataset: bool = True,
         *,
         devices: Any = None,
+        remat: Any = None,
     ):
         if not isinstance(axis, str):
             raise TypeError(
@@ -516,7 +547,7 @@ class FSDP(ModelParallel):
             layout_map = LayoutMap(device_mesh)
         self._axis = axis
         self._min_size = int(min_size)
-        super().__init__(device_mesh, layout_map, axis, auto_shard_dataset)
+        super().__init__(device_mesh, layout_map, axis, auto_shard_dataset, remat=remat)
 
     @property
     def axis(self) -> str:

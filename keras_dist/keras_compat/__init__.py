@@ -27,7 +27,9 @@ What keras_dist patches later, and only while it is needed:
 
 - when a distributed call starts: the model's step functions
   (`steps.install_cached_steps`), each BatchNormalization layer's moments
-  (`batch_norm.replace_moments`), Keras' metric classes' `update_state`
+  (`batch_norm.replace_moments`), with a distribution's `remat=` the
+  rematerialization mode of the layers it recomputes (`remat.set_mode`),
+  Keras' metric classes' `update_state`
   (`metrics.install_row_aware_metrics`: unchanged outside keras_dist's
   steps), the epoch iterator's batch source (`epoch_iterator.EpochRouting`),
   the backend `distribution_lib` Keras relays layer outputs through
@@ -70,6 +72,7 @@ try:
         metrics,
         model_calls,
         optimizers,
+        remat,
         saving,
         torch_trainer,
         variables,
@@ -82,6 +85,7 @@ _PROBED_MODULES = (
     distribution,
     model_calls,
     layers,
+    remat,
     optimizers,
     batch_norm,
     variables,

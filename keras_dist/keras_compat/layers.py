@@ -18,6 +18,12 @@ def own_variables(layer: Any) -> list[Any]:
     return layer._trainable_variables + layer._non_trainable_variables
 
 
+def own_non_trainable_variables(layer: Any) -> list[Any]:
+    """The non-trainable variables `layer` itself created (moving statistics,
+    say), not its sublayers'."""
+    return list(layer._non_trainable_variables)
+
+
 def seed_generators(layer: Any) -> list[Any]:
     """The `SeedGenerator`s `layer` itself holds (Dropout's, say)."""
     return list(getattr(layer, "_seed_generators", []))

@@ -13,6 +13,7 @@ import keras
 from keras_dist import keras_compat
 from keras_dist.backends import get_adapter
 from keras_dist.distribution.policies import Distribution, ModelParallel
+from keras_dist.distribution.remat import rematerialize
 from keras_dist.faults import heartbeat
 from keras_dist.keras_compat.callbacks import silence_callbacks
 from keras_dist.keras_compat.distribution import KerasDistribution
@@ -84,6 +85,18 @@ class DistributedRun:
         _active_runs[key] = self
         self.active = True
         _warn_unmatched_layout_keys(self.model, self.distribution)
+        if self.distribution.remat is not None:
+            try:
+                self._undo.append(
+                    rematerialize(
+                        self.model,
+                        self.distribution.remat,
+                        warn=adapter.process_id() == 0,
+                    )
+                )
+            except BaseException:
+                self.stop()
+                raise
         self._call = _calls_in_progress[-1] if _calls_in_progress else None
         # One voice: only process 0 shows progress bars and per-epoch logs.
         # (Files, from checkpoints to CSV logs and TensorBoard events, are

@@ -9,7 +9,9 @@ Environment:
 - DROPOUT: "0" leaves Dropout out (runs on another world size differ in it).
 - STEP_SECONDS: a pause after every batch (a test signals the job mid-fit).
 - INPUT: "py_dataset" feeds the same batches as a `PyDataset` (shuffled, its
-  batches' order, with SHUFFLE) instead of arrays.
+  batches' order, with SHUFFLE) instead of arrays; "arrays,py_dataset" runs one
+  fit for each in turn, each under CHECKPOINT_DIR/<kind>, and the result holds
+  each one's under its name (one job for both: CI's time).
 Every epoch's logs go to STATE_DIR/epochs.jsonl (process 0, one line per
 epoch, the last attempt's line wins); each rank writes its final weights and
 logs to STATE_DIR/result-<rank>.json (or OUTPUT).
@@ -107,9 +109,7 @@ class EpochLog(keras.callbacks.Callback):
                 handle.write(json.dumps(line) + "\n")
 
 
-def main() -> None:
-    directory, state = sys.argv[1], sys.argv[2]
-    kd.initialize()
+def _fit(directory: str, state: str, kind: str) -> dict:
     model = build(dropout=os.environ.get("DROPOUT", "1") == "1")
     checkpoint = kd.Checkpoint(
         directory,
@@ -119,7 +119,7 @@ def main() -> None:
     )
     worker_seed.set_random_seed(7)
     history = model.fit(
-        **fit_inputs(),
+        **fit_inputs(kind),
         epochs=EPOCHS,
         shuffle=os.environ.get("SHUFFLE", "1") == "1",
         verbose=0,
@@ -130,19 +130,29 @@ def main() -> None:
             EpochLog(os.path.join(state, "epochs.jsonl")),
         ],
     )
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "history": history.history,
+    }
+
+
+def main() -> None:
+    directory, state = sys.argv[1], sys.argv[2]
+    kd.initialize()
+    kinds = os.environ.get("INPUT", "arrays").split(",")
+    if len(kinds) == 1:
+        result = _fit(directory, state, kinds[0])
+    else:
+        result = {
+            kind: _fit(os.path.join(directory, kind), state, kind) for kind in kinds
+        }
     output = (
         sys.argv[3]
         if len(sys.argv) > 3
         else os.path.join(state, f"result-{kd.process_id()}.json")
     )
     with open(output, "w") as handle:
-        json.dump(
-            {
-                "weights": [w.tolist() for w in model.get_weights()],
-                "history": history.history,
-            },
-            handle,
-        )
+        json.dump(result, handle)
 
 
 if __name__ == "__main__":

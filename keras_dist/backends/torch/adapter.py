@@ -460,6 +460,17 @@ class TorchAdapter(BackendAdapter):
 
     def _activate(self, model: Any, distribution: Any) -> None:
         dtensors = self._check_layouts(model, distribution)
+        if dtensors and getattr(distribution, "remat", None) is not None:
+            # Recomputing a layer gathers its shards again inside torch's
+            # checkpoint, whose backward then meets DTensors it cannot reduce.
+            raise NotImplementedError(
+                "`remat=` on PyTorch runs with replicated variables "
+                "(kd.DataParallel, or a layout that shards nothing); with "
+                "sharded ones (kd.FSDP, ModelParallel) it is not supported yet. "
+                "Leave `remat` out, or use it on JAX, where kd.FSDP and "
+                "ModelParallel support it. Received: remat="
+                f"{distribution.remat.mode!r} with {type(distribution).__name__}"
+            )
         world_size, rank = self._world()
         # The user's own steps run as written (see `custom_steps`).
         user_steps = internals.user_steps(model)

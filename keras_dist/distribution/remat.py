@@ -1,0 +1,188 @@
+"""Activation checkpointing: a distribution's `remat=`, and the layers of a
+model it recomputes in the backward pass during one call.
+
+The modes are Keras' own (`keras.RematScope`): `"full"`, `"activations"`,
+`"larger_than"` and `"list_of_layers"`. For a call under the distribution,
+keras_dist gives the model's layers the mode they would have had if the model
+had been built inside `keras.RematScope(...)`, and takes it back when the call
+ends, with two differences that keep training exact:
+
+- A layer whose call updates state is never recomputed: one holding a seed
+  generator (Dropout, noise layers), or trainable and holding non-trainable
+  variables (BatchNormalization's moving statistics). Recomputing it in the
+  backward pass would update the state twice (PyTorch) or leak values out of
+  the recomputed function (JAX). Such layers, and the layers holding them,
+  are named in one warning; their other sublayers still count.
+- `"full"` recomputes the outermost layers that qualify (the model's own
+  layers, or a layer's sublayers where it holds state), each as one piece:
+  only each piece's inputs are kept for the backward pass, as activation
+  checkpointing per block does in torchtitan. Keras' scope would also mark
+  every nested layer, recomputing the inner ones once more for nothing.
+
+A layer that already has its own mode (built under a `keras.RematScope`) keeps
+it. TensorFlow is refused when the distribution is made (Keras' recompute
+there cannot run in a compiled step).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from keras_dist.keras_compat import layers as keras_layers
+from keras_dist.keras_compat import remat as keras_remat
+
+MODES = ("full", "activations", "larger_than", "list_of_layers")
+
+
+def check_remat(remat: Any) -> Any:
+    """`remat` as a `keras.RematScope` (None: no rematerialization)."""
+    if remat is None:
+        return None
+    if keras.backend.backend() == "tensorflow":
+        raise NotImplementedError(
+            "`remat=` (activation checkpointing) runs on JAX and PyTorch. On "
+            "TensorFlow, Keras' rematerialization (tf.recompute_grad) fails inside "
+            "a compiled step: 'The custom_gradient decorator currently supports "
+            "keywords arguments only when eager execution is enabled'. Leave "
+            f"`remat` out on TensorFlow. Received: remat={remat!r}"
+        )
+    if isinstance(remat, str):
+        if remat == "list_of_layers":
+            raise ValueError(
+                "remat='list_of_layers' needs the layers' names: pass "
+                "remat=keras.RematScope(mode='list_of_layers', "
+                "layer_names=[...])."
+            )
+        if remat not in MODES:
+            raise ValueError(
+                f"`remat` must be one of {list(MODES[:3])}, a keras.RematScope or "
+                f"None. Received: remat={remat!r}"
+            )
+        return keras.RematScope(mode=remat)
+    if isinstance(remat, keras.RematScope):
+        if remat.mode is None:
+            return None
+        if remat.mode == "list_of_layers" and not remat.layer_names:
+            raise ValueError(
+                "keras.RematScope(mode='list_of_layers') needs `layer_names`, the "
+                "names of the layers to recompute. Received: layer_names="
+                f"{remat.layer_names!r}"
+            )
+        return remat
+    raise TypeError(
+        "`remat` must be a mode name ('full', 'activations', 'larger_than'), a "
+        f"keras.RematScope or None. Received: remat={remat!r} of type "
+        f"{type(remat).__name__}"
+    )
+
+
+def _updates_state(layer: Any) -> bool:
+    """Whether `layer`'s own call may update state when training."""
+    if keras_layers.seed_generators(layer):
+        return True
+    return bool(layer.trainable and keras_layers.own_non_trainable_variables(layer))
+
+
+def _holds_state(layer: Any) -> list[Any]:
+    """The layers in `layer` (itself included) whose call updates state."""
+    return [inner for inner in keras_layers.layers_of(layer) if _updates_state(inner)]
+
+
+class RematPlan:
+    """Which layers of a model `scope` recomputes: `layers`, and `left_out`,
+    the layers holding state (each with the layers in it that update it)."""
+
+    def __init__(self, model: Any, scope: Any):
+        self.mode = keras_remat.mode_of_scope(scope)
+        self.layers: list[Any] = []
+        self.left_out: dict[str, list[str]] = {}
+        self.kept_own: list[str] = []
+        if self.mode.mode == "full":
+            self._outermost(keras_layers.sublayers(model))
+        else:
+            for layer in keras_layers.layers_of(model)[1:]:
+                self._consider(layer, descend=False)
+        if self.mode.mode == "list_of_layers":
+            names = {layer.name for layer in keras_layers.layers_of(model)[1:]}
+            unknown = [name for name in self.mode.layer_names if name not in names]
+            if unknown:
+                raise ValueError(
+                    f"remat layer_names {unknown} name no layer of model "
+                    f"{model.name!r}. Its layers: {sorted(names)}"
+                )
+            wanted = set(self.mode.layer_names)
+            self.layers = [layer for layer in self.layers if layer.name in wanted]
+            self.left_out = {
+                name: why for name, why in self.left_out.items() if name in wanted
+            }
+
+    def _outermost(self, layers: list[Any]) -> None:
+        for layer in layers:
+            if self._consider(layer, descend=True):
+                self._outermost(keras_layers.sublayers(layer))
+
+    def _consider(self, layer: Any, descend: bool) -> bool:
+        """Add `layer` if it qualifies; True when its sublayers are to be
+        looked at instead (it holds state)."""
+        if isinstance(layer, keras.layers.InputLayer):
+            return False
+        if keras_remat.mode_of(layer) is not None:
+            self.kept_own.append(layer.name)
+            return False
+        holding = _holds_state(layer)
+        if not holding:
+            self.layers.append(layer)
+            return False
+        if not descend or _updates_state(layer):
+            self.left_out[layer.name] = [inner.name for inner in holding]
+        return descend and not _updates_state(layer)
+
+    def apply(self) -> Callable[[], None]:
+        """Give the layers the mode; return what takes it back."""
+        for layer in self.layers:
+            keras_remat.set_mode(layer, self.mode)
+
+        def undo() -> None:
+            for layer in self.layers:
+                keras_remat.set_mode(layer, None)
+
+        return undo
+
+    def warning(self, model: Any) -> str | None:
+        """What the user is told: the layers left out, or that none qualified."""
+        said = []
+        if not self.layers:
+            said.append(
+                f"remat={self.mode.mode!r} recomputes no layer of model "
+                f"{model.name!r}: none qualifies"
+            )
+        if self.left_out:
+            left = ", ".join(
+                repr(name) if inner == [name] else f"{name!r} (holding {inner})"
+                for name, inner in self.left_out.items()
+            )
+            said.append(
+                f"remat leaves out layers whose call updates state (seed "
+                f"generators, moving statistics), so that training stays exact: "
+                f"{left}"
+            )
+        return "; ".join(said) or None
+
+
+_warned: set[tuple[int, int]] = set()
+
+
+def rematerialize(model: Any, scope: Any, warn: bool = True) -> Callable[[], None]:
+    """Give `model`'s layers `scope`'s mode for one call (see the module's
+    docstring); return the undo. Warns once per model and scope (process 0:
+    `warn`) about the layers it leaves out."""
+    plan = RematPlan(model, scope)
+    said = plan.warning(model)
+    if said and warn and (id(model), id(scope)) not in _warned:
+        _warned.add((id(model), id(scope)))
+        warnings.warn(said, UserWarning, stacklevel=4)
+    return plan.apply()
