@@ -223,6 +223,7 @@ LAUNCH_FLAGS = {
     "node_rank": "--node-rank",
     "coordinator": "--coordinator",
     "max_restarts": "--max-restarts",
+    "min_nproc": "--min-nproc",
     "hang_timeout": "--hang-timeout",
     "grace_period_seconds": "--grace-period",
 }
@@ -379,8 +380,9 @@ def _launch(arguments: argparse.Namespace) -> int:
             max_restarts=arguments.max_restarts,
             hang_timeout=arguments.hang_timeout,
             grace_period_seconds=arguments.grace_period,
+            min_nproc=arguments.min_nproc,
         )
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, NotImplementedError) as error:
         # exits with code 2, like argparse
         arguments.usage_error(as_flags(str(error), LAUNCH_FLAGS, bare_words=True))
     return Launcher(config).run()
@@ -523,6 +525,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="K",
         help="restart all processes after a failure, up to K times",
+    )
+    launch.add_argument(
+        "--min-nproc",
+        type=int,
+        metavar="M",
+        help="elastic (one node): once the restarts are used up, a job that loses "
+        "a process goes on with one fewer, never fewer than M, and fit resumes "
+        "from its kd.Checkpoint on the new count (default: N, no shrinking)",
     )
     launch.add_argument(
         "--hang-timeout",

@@ -14,6 +14,16 @@ processes (one CPU device each, gloo), taking turns:
   `DistributedDataParallel` once and called directly, `torch.optim.Adam`,
   `torch.nn.CrossEntropyLoss`, `loss.item()` every step.
 
+- `torch_sync_bn_loop`: the anchor for keras_dist's default (global-batch
+  BatchNormalization): the loop users write for the same semantics, the same
+  convnet in plain `torch.nn` with `SyncBatchNorm` under DDP. torch's
+  `nn.SyncBatchNorm` runs on GPUs only (its `batch_norm_stats`,
+  `batch_norm_gather_stats_with_counts` and `batch_norm_backward_reduce` have
+  no CPU kernels), so on CPU the loop uses `CPUSyncBatchNorm` below: the same
+  algorithm with CPU ops (one all-gather of each process' mean, inverse
+  standard deviation and count in forward, one all-reduce of the two gradient
+  sums in backward); with CUDA tensors it would be `nn.SyncBatchNorm` itself.
+
 Both use Adam with the same learning rate and epsilon and the same loss; the
 Keras model is compiled with no extra metrics, so both read one loss per step.
 keras_dist does more per step than the loop, as it promises: its logs are the
@@ -107,6 +117,108 @@ class _History:
         self.history = {"loss": [loss]}
 
 
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """torch's `SyncBatchNorm` forward and backward (torch/nn/modules/
+    _functions.py) for NCHW CPU tensors: per-process statistics, one
+    all-gather of (mean, invstd, count), and one all-reduce of
+    (sum_dy, sum_dy_xmu) in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum):
+        channels = x.shape[1]
+        count = torch.full((1,), x.numel() // channels, dtype=x.dtype)
+        var, mean = torch.var_mean(x, dim=(0, 2, 3), unbiased=False)
+        invstd = torch.rsqrt(var + eps)
+        local = torch.cat([mean, invstd, count])
+        gathered = [torch.empty_like(local) for _ in range(kd.num_processes())]
+        torch_distributed.all_gather(gathered, local)
+        stats = torch.stack(gathered)
+        means, invstds = stats[:, :channels], stats[:, channels : 2 * channels]
+        counts = stats[:, 2 * channels :]
+        total = counts.sum()
+        mean_all = (means * counts).sum(0) / total
+        var_each = 1.0 / invstds.square() - eps
+        var_all = ((var_each + (means - mean_all).square()) * counts).sum(0) / total
+        invstd_all = torch.rsqrt(var_all + eps)
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(momentum * mean_all)
+            running_var.mul_(1 - momentum).add_(
+                momentum * var_all * total / (total - 1)
+            )
+        shape = (1, channels, 1, 1)
+        normalized = (x - mean_all.view(shape)) * invstd_all.view(shape)
+        ctx.save_for_backward(normalized, weight, invstd_all, total)
+        return normalized * weight.view(shape) + bias.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        normalized, weight, invstd, total = ctx.saved_tensors
+        channels = grad.shape[1]
+        shape = (1, channels, 1, 1)
+        sum_dy = grad.sum(dim=(0, 2, 3))
+        sum_dy_xhat = (grad * normalized).sum(dim=(0, 2, 3))
+        sums = torch.cat([sum_dy, sum_dy_xhat])
+        torch_distributed.all_reduce(sums)
+        mean_dy = (sums[:channels] / total).view(shape)
+        mean_dy_xhat = (sums[channels:] / total).view(shape)
+        grad_input = (weight * invstd).view(shape) * (
+            grad - mean_dy - normalized * mean_dy_xhat
+        )
+        return grad_input, sum_dy_xhat, sum_dy, None, None, None, None
+
+
+class CPUSyncBatchNorm(torch.nn.BatchNorm2d):
+    """`nn.SyncBatchNorm`'s training semantics on CPU (see the module)."""
+
+    def forward(self, x):
+        if not self.training:
+            return super().forward(x)
+        return _SyncBatchNormFunction.apply(
+            x,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            self.eps,
+            self.momentum,
+        )
+
+
+def torch_convnet() -> torch.nn.Module:
+    """`build_model`'s convnet in plain `torch.nn` (NCHW), its BatchNorms
+    synchronized over the processes."""
+    torch.manual_seed(SEED)
+    norm = CPUSyncBatchNorm if not torch.cuda.is_available() else None
+    layers: list[torch.nn.Module] = []
+    channels = IMAGE_SHAPE[-1]
+    for filters, kernel_size, strides in ((16, 3, 1), (32, 5, 2), (48, 5, 2)):
+        layers.append(
+            torch.nn.Conv2d(
+                channels,
+                filters,
+                kernel_size,
+                stride=strides,
+                padding=kernel_size // 2,
+                bias=False,
+            )
+        )
+        layers.append((norm or torch.nn.BatchNorm2d)(filters, eps=1e-3, momentum=0.01))
+        layers.append(torch.nn.ReLU())
+        channels = filters
+    layers += [
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(channels, 256),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.5),
+        torch.nn.Linear(256, CLASSES),
+    ]
+    model = torch.nn.Sequential(*layers)
+    if norm is None:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return model
+
+
 def processes_agreeing(model: keras.Model) -> int:
     """How many processes hold the same trainable weights as process 0."""
     flat = torch.cat([v.value.detach().reshape(-1) for v in model.trainable_weights])
@@ -169,6 +281,38 @@ def main() -> None:
         torch_distributed.all_reduce(total)
         return _History(float(total.item()) / world_size)
 
+    # -- the same semantics by hand: plain torch.nn with SyncBatchNorm, DDP -----
+    sync_module = torch_convnet()
+    ddp_sync = DistributedDataParallel(sync_module)
+    sync_optimizer = torch.optim.Adam(
+        sync_module.parameters(), lr=LEARNING_RATE, eps=EPSILON
+    )
+    x_nchw = x_torch.permute(0, 3, 1, 2).contiguous()
+
+    def fit_sync_loop(steps: int, callbacks: list) -> _History:
+        rows = steps * GLOBAL_BATCH
+        dataset = TensorDataset(x_nchw[:rows], y_torch[:rows])
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=False
+        )
+        loader = DataLoader(
+            dataset, sampler=sampler, batch_size=GLOBAL_BATCH // world_size
+        )
+        for callback in callbacks:
+            callback.on_train_begin()
+        running_loss = 0.0
+        for step, (inputs, targets) in enumerate(loader):
+            loss = loss_fn(ddp_sync(inputs), targets)
+            sync_optimizer.zero_grad()
+            loss.backward()
+            sync_optimizer.step()
+            running_loss += loss.item()
+            for callback in callbacks:
+                callback.on_train_batch_end(step)
+        total = torch.tensor([running_loss / steps], dtype=torch.float64)
+        torch_distributed.all_reduce(total)
+        return _History(float(total.item()) / world_size)
+
     candidates = [
         Candidate(
             "keras_dist",
@@ -185,6 +329,11 @@ def main() -> None:
             "guide's loop: DistributedSampler + DataLoader, DDP, torch Adam",
             fit_loop,
         ),
+        Candidate(
+            "torch_sync_bn_loop",
+            "the same convnet in torch.nn, SyncBatchNorm (CPU: same algorithm), DDP",
+            fit_sync_loop,
+        ),
     ]
     timings = run_interleaved(
         candidates,
@@ -199,6 +348,15 @@ def main() -> None:
         "keras_dist_sync_bn": processes_agreeing(sync_model),
         "torch_loop": processes_agreeing(loop_model),
     }
+    # keras_dist's default against the loop with the same semantics, pair by
+    # pair (each repeat times every candidate in turn).
+    by_name = {c["name"]: c["repeats"] for c in timings["candidates"]}
+    sync_bn_anchor = sorted(
+        ours["median_step_s"] / theirs["median_step_s"]
+        for ours, theirs in zip(
+            by_name["keras_dist_sync_bn"], by_name["torch_sync_bn_loop"], strict=True
+        )
+    )
     if rank != 0:
         return
     params = kd_model.count_params()
@@ -210,6 +368,10 @@ def main() -> None:
         model=f"guide-style convnet on {IMAGE_SHAPE}, {params:,} params, Adam",
         baseline="torch_loop",
         devices_used=devices_used,
+        sync_bn_step_time_ratio={
+            "keras_dist_sync_bn / torch_sync_bn_loop": sync_bn_anchor,
+            "median": sync_bn_anchor[len(sync_bn_anchor) // 2],
+        },
         **timings,
     )
 

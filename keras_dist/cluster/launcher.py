@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import itertools
 import math
 import os
 import shutil
@@ -37,9 +38,14 @@ from keras_dist.cluster.job_dir import (
     read_error_report,
     remove_stale_job_directories,
 )
+from keras_dist.cluster.launch_config import (
+    DEFAULT_GRACE_PERIOD_SECONDS,
+    LaunchConfig,
+)
 from keras_dist.cluster.rank_output import RankOutput
 
-DEFAULT_GRACE_PERIOD_SECONDS = 10.0
+__all__ = ["DEFAULT_GRACE_PERIOD_SECONDS", "LaunchConfig", "Launcher", "launch"]
+
 # After the first failure, how long the other ranks get to end (and report)
 # on their own before they are stopped: the root cause may not be the first
 # exit the launcher sees (see `Launcher._root_cause`).
@@ -54,111 +60,6 @@ _SIGNALS_FROM_OUTSIDE = frozenset(
 _POLL_SECONDS = 0.05
 # Readers block while a grandchild keeps a pipe open; wait on them only briefly.
 _SHORT_WAIT_SECONDS = 2.0
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int. Received: {name}={value!r}")
-    if value < minimum:
-        raise ValueError(
-            f"`{name}` must be at least {minimum}. Received: {name}={value}"
-        )
-
-
-def _check_hang_timeout(value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(
-            "`hang_timeout` must be a number of seconds (0 turns the hang doctor "
-            f"off). Received: hang_timeout={value!r}"
-        )
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(
-            "`hang_timeout` must be a finite number of seconds >= 0 (0 turns the "
-            f"hang doctor off). Received: hang_timeout={value!r}"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchConfig:
-    """What `launch` starts: `nproc_per_node` copies of a script on this node.
-
-    Args:
-        script: path of the Python script each process runs.
-        script_args: arguments passed to every copy of the script.
-        nproc_per_node: processes started on this node.
-        nnodes: nodes in the job; each runs the same command.
-        node_rank: this node's index, `0 <= node_rank < nnodes`.
-        coordinator: `"host:port"` of process 0's node. Required when
-            `nnodes > 1`; on one node, defaults to 127.0.0.1 with a free port.
-        max_restarts: how often the whole group is restarted after a failure.
-        grace_period_seconds: how long stopped processes get between SIGTERM
-            and SIGKILL.
-        hang_timeout: seconds a rank may go without progress inside a
-            keras_dist `fit`/`evaluate`/`predict` before every rank dumps its
-            stacks, one summary names the rank(s) behind and the job ends with
-            code 124; 0 turns the hang doctor off. Passed to the ranks as
-            `KERAS_DIST_HANG_TIMEOUT`; None leaves that variable as it is
-            (unset: 1800 s). See `keras_dist.faults.heartbeat`.
-
-    Example:
-
-    >>> config = LaunchConfig("train.py", ("--epochs", "3"), nproc_per_node=2)
-    """
-
-    script: str
-    script_args: tuple[str, ...] = ()
-    _: dataclasses.KW_ONLY
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    coordinator: str | None = None
-    max_restarts: int = 0
-    grace_period_seconds: float = DEFAULT_GRACE_PERIOD_SECONDS
-    hang_timeout: float | None = None
-
-    def __post_init__(self) -> None:
-        _check_int("nproc_per_node", self.nproc_per_node, 1)
-        _check_int("nnodes", self.nnodes, 1)
-        _check_int("node_rank", self.node_rank, 0)
-        _check_int("max_restarts", self.max_restarts, 0)
-        if self.node_rank >= self.nnodes:
-            raise ValueError(
-                f"`node_rank` must be in [0, {self.nnodes - 1}] for a job of "
-                f"{self.nnodes} node(s). Received: node_rank={self.node_rank}"
-            )
-        if self.coordinator is not None:
-            split_address(self.coordinator, name="coordinator")
-        elif self.nnodes > 1:
-            raise ValueError(
-                f"A job of {self.nnodes} nodes needs the coordinator's 'host:port' "
-                "(an address of the node with node_rank 0 that every node can "
-                "reach), passed as --coordinator. Received: coordinator=None"
-            )
-        if not self.grace_period_seconds > 0:
-            raise ValueError(
-                "`grace_period_seconds` must be positive. Received: "
-                f"grace_period_seconds={self.grace_period_seconds!r}"
-            )
-        if self.hang_timeout is not None:
-            _check_hang_timeout(self.hang_timeout)
-        if not os.path.isfile(self.script):
-            raise ValueError(
-                f"The script to launch does not exist. Received: script={self.script!r}"
-            )
-        if isinstance(self.script_args, str) or not all(
-            isinstance(argument, str) for argument in self.script_args
-        ):
-            raise TypeError(
-                "`script_args` must be a sequence of strings. Received: "
-                f"script_args={self.script_args!r}"
-            )
-        # A list would make the frozen config mutable from outside.
-        object.__setattr__(self, "script_args", tuple(self.script_args))
-
-    @property
-    def world_size(self) -> int:
-        """Processes in the whole job, over all nodes."""
-        return self.nproc_per_node * self.nnodes
 
 
 def rank_environment(
@@ -312,6 +213,12 @@ class Launcher:
         # ranks, which save and exit 75 themselves; no restart after it.
         self._preemption_signals: list[int] = []
         self._ranks: list[_RankProcess] = []
+        # The group an attempt starts: the config, with fewer processes after
+        # an elastic job lost some.
+        self._attempt_config = config
+        # The root cause's rank of the last failed attempt (None: a hang or a
+        # signal to the launcher).
+        self._lost_rank: int | None = None
 
     def run(self) -> int:
         """Start the group, restart it after failures, and wait for the end.
@@ -323,18 +230,40 @@ class Launcher:
         """
         previous_handlers = self._install_signal_handlers()
         self._output = RankOutput(self._stdout, self._stderr)
+        config = self.config
         try:
-            for attempt in range(self.config.max_restarts + 1):
+            restarts = 0
+            for attempt in itertools.count():
                 exit_code, failure = self._run_attempt(attempt)
                 if failure is None or self._stop_signals or self._preemption_signals:
                     return exit_code
-                if attempt < self.config.max_restarts:
+                size = self._attempt_config.nproc_per_node
+                if restarts < config.max_restarts:
+                    restarts += 1
                     self._message(
-                        f"restart {attempt + 1} of {self.config.max_restarts}: "
-                        f"starting all {self.config.nproc_per_node} process(es) "
-                        "again"
+                        f"restart {restarts} of {config.max_restarts}: "
+                        f"starting all {size} process(es) again"
                     )
-            return exit_code
+                    continue
+                if not config.elastic or self._lost_rank is None:
+                    return exit_code
+                if size - 1 < config.min_nproc:
+                    self._message(
+                        f"elastic: rank {self._lost_rank} lost with no restart "
+                        f"left, and {size - 1} process(es) would be fewer than "
+                        f"--min-nproc {config.min_nproc}: the job ends"
+                    )
+                    return exit_code
+                self._attempt_config = dataclasses.replace(
+                    self._attempt_config, nproc_per_node=size - 1
+                )
+                self._message(
+                    f"elastic: rank {self._lost_rank} lost ({failure}) with no "
+                    f"restart left: going on with {size - 1} process(es) of "
+                    f"{config.nproc_per_node} (at least {config.min_nproc}); "
+                    "training resumes from its last checkpoint"
+                )
+            raise AssertionError("unreachable")  # pragma: no cover
         finally:
             self._output.close()
             for signum, handler in previous_handlers.items():
@@ -385,8 +314,9 @@ class Launcher:
         )
         self._ranks = ranks
         self._stopping = False
+        self._lost_rank = None
         try:
-            for local_rank in range(self.config.nproc_per_node):
+            for local_rank in range(self._attempt_config.nproc_per_node):
                 if self._stop_signals:
                     break
                 ranks.append(self._start(local_rank, coordinator, attempt))
@@ -400,7 +330,7 @@ class Launcher:
             shutil.rmtree(self._job_directory, ignore_errors=True)
 
     def _start(self, local_rank: int, coordinator: str, attempt: int) -> _RankProcess:
-        config = self.config
+        config = self._attempt_config
         env = rank_environment(config, local_rank, coordinator, restart_count=attempt)
         rank = int(env["RANK"])
         paths = job_paths(self._job_directory, rank)
@@ -469,6 +399,7 @@ class Launcher:
             if failed:
                 self._wait_for_others(ranks)
                 root, exit_code, failure = self._root_cause(ranks)
+                self._lost_rank = root
                 # The ranks that failed on their own after the root cause.
                 after = [
                     r.rank
@@ -508,7 +439,7 @@ class Launcher:
                     for r in ranks
                 },
                 lambda rank: by_rank[rank].exited_at is None,
-                world_size=self.config.world_size,
+                world_size=self._attempt_config.world_size,
             )
         return self._hang_doctor.check()
 
@@ -622,6 +553,7 @@ def launch(
     max_restarts: int = 0,
     grace_period_seconds: float = DEFAULT_GRACE_PERIOD_SECONDS,
     hang_timeout: float | None = None,
+    min_nproc: int | None = None,
 ) -> int:
     """Run `script` as `nproc_per_node` processes of a (possibly multi-node) job.
 
@@ -645,6 +577,9 @@ def launch(
         hang_timeout: seconds without progress before the hang doctor ends
             the job (see `LaunchConfig`); None: `KERAS_DIST_HANG_TIMEOUT` or
             1800; 0: off.
+        min_nproc: elastic: the fewest processes the job may go on with once
+            its restarts are used up (see `LaunchConfig`); None: no fewer
+            than `nproc_per_node`.
 
     Returns:
         The exit code: 0 when all processes succeeded, else the failed rank's
@@ -665,5 +600,6 @@ def launch(
         max_restarts=max_restarts,
         grace_period_seconds=grace_period_seconds,
         hang_timeout=hang_timeout,
+        min_nproc=min_nproc,
     )
     return Launcher(config).run()

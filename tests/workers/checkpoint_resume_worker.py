@@ -8,6 +8,9 @@ Environment:
   that rank has finished that global step: the rank sends itself the signal.
 - DROPOUT: "0" leaves Dropout out (runs on another world size differ in it).
 - STEP_SECONDS: a pause after every batch (a test signals the job mid-fit).
+- TIMES_DIR: process 0 writes there when each attempt trained its first step
+  (`first-step-<attempt>.time`), and a faulting rank when it faults
+  (`fault-<attempt>.time`).
 - INPUT: "py_dataset" feeds the same batches as a `PyDataset` (shuffled, its
   batches' order, with SHUFFLE) instead of arrays; "arrays,py_dataset" runs one
   fit for each in turn, each under CHECKPOINT_DIR/<kind>, and the result holds
@@ -90,10 +93,22 @@ class Fault(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         # A slower job, for a test to signal it mid-fit.
         time.sleep(float(os.environ.get("STEP_SECONDS", "0")))
+        attempt = os.environ.get("KERAS_DIST_RESTART_COUNT", "0")
+        times = os.environ.get("TIMES_DIR")
+        if times and kd.process_id() == 0:
+            # When each attempt trained its first step (the time back to
+            # training after a fault).
+            first = os.path.join(times, f"first-step-{attempt}.time")
+            if not os.path.exists(first):
+                with open(first, "w") as handle:
+                    handle.write(repr(time.time()))
         if self.fault is None:
             return
         name, step, rank = self.fault
         if self.checkpoint._global_step == int(step) and kd.process_id() == int(rank):
+            if times:
+                with open(os.path.join(times, f"fault-{attempt}.time"), "w") as handle:
+                    handle.write(repr(time.time()))
             os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
 
