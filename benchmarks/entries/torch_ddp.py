@@ -248,70 +248,49 @@ def main() -> None:
     # The default: statistics of the global batch (SyncBatchNorm), exact.
     sync_model, fit_sync = keras_dist_fit(kd.DataParallel())
 
-    # -- the hand-written loop of the guide ----------------------------------------
-    loop_model = build_model()
-    ddp_model = DistributedDataParallel(loop_model)  # broadcasts rank 0's weights
-    optimizer = torch.optim.Adam(loop_model.parameters(), lr=LEARNING_RATE, eps=EPSILON)
+    # -- the hand-written loops: the guide's, and the same with SyncBatchNorm ---
     loss_fn = torch.nn.CrossEntropyLoss()
     x_torch, y_torch = torch.from_numpy(x), torch.from_numpy(y)
 
-    def fit_loop(steps: int, callbacks: list) -> _History:
-        rows = steps * GLOBAL_BATCH
-        dataset = TensorDataset(x_torch[:rows], y_torch[:rows])
-        sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=False
-        )
-        loader = DataLoader(
-            dataset, sampler=sampler, batch_size=GLOBAL_BATCH // world_size
-        )
-        for callback in callbacks:
-            callback.on_train_begin()
-        running_loss = 0.0
-        for step, (inputs, targets) in enumerate(loader):
-            outputs = ddp_model(inputs, training=True)
-            loss = loss_fn(outputs, targets)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            running_loss += loss.item()
-            for callback in callbacks:
-                callback.on_train_batch_end(step)
-        # After the last timed step: the mean loss over processes, as fit logs it.
-        total = torch.tensor([running_loss / steps], dtype=torch.float64)
-        torch_distributed.all_reduce(total)
-        return _History(float(total.item()) / world_size)
+    def hand_written_loop(module: torch.nn.Module, inputs_of: torch.Tensor, **call):
+        """A `fit`-like function for `module` under DDP (it broadcasts rank
+        0's weights), reading `inputs_of` through a DistributedSampler."""
+        ddp_module = DistributedDataParallel(module)
+        optimizer = torch.optim.Adam(module.parameters(), lr=LEARNING_RATE, eps=EPSILON)
 
-    # -- the same semantics by hand: plain torch.nn with SyncBatchNorm, DDP -----
-    sync_module = torch_convnet()
-    ddp_sync = DistributedDataParallel(sync_module)
-    sync_optimizer = torch.optim.Adam(
-        sync_module.parameters(), lr=LEARNING_RATE, eps=EPSILON
+        def fit_loop(steps: int, callbacks: list) -> _History:
+            rows = steps * GLOBAL_BATCH
+            dataset = TensorDataset(inputs_of[:rows], y_torch[:rows])
+            sampler = DistributedSampler(
+                dataset, num_replicas=world_size, rank=rank, shuffle=False
+            )
+            loader = DataLoader(
+                dataset, sampler=sampler, batch_size=GLOBAL_BATCH // world_size
+            )
+            for callback in callbacks:
+                callback.on_train_begin()
+            running_loss = 0.0
+            for step, (inputs, targets) in enumerate(loader):
+                loss = loss_fn(ddp_module(inputs, **call), targets)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                running_loss += loss.item()
+                for callback in callbacks:
+                    callback.on_train_batch_end(step)
+            # After the last timed step: the mean loss over processes, as fit
+            # logs it.
+            total = torch.tensor([running_loss / steps], dtype=torch.float64)
+            torch_distributed.all_reduce(total)
+            return _History(float(total.item()) / world_size)
+
+        return fit_loop
+
+    loop_model = build_model()
+    fit_loop = hand_written_loop(loop_model, x_torch, training=True)
+    fit_sync_loop = hand_written_loop(
+        torch_convnet(), x_torch.permute(0, 3, 1, 2).contiguous()
     )
-    x_nchw = x_torch.permute(0, 3, 1, 2).contiguous()
-
-    def fit_sync_loop(steps: int, callbacks: list) -> _History:
-        rows = steps * GLOBAL_BATCH
-        dataset = TensorDataset(x_nchw[:rows], y_torch[:rows])
-        sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=False
-        )
-        loader = DataLoader(
-            dataset, sampler=sampler, batch_size=GLOBAL_BATCH // world_size
-        )
-        for callback in callbacks:
-            callback.on_train_begin()
-        running_loss = 0.0
-        for step, (inputs, targets) in enumerate(loader):
-            loss = loss_fn(ddp_sync(inputs), targets)
-            sync_optimizer.zero_grad()
-            loss.backward()
-            sync_optimizer.step()
-            running_loss += loss.item()
-            for callback in callbacks:
-                callback.on_train_batch_end(step)
-        total = torch.tensor([running_loss / steps], dtype=torch.float64)
-        torch_distributed.all_reduce(total)
-        return _History(float(total.item()) / world_size)
 
     candidates = [
         Candidate(
