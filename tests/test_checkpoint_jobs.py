@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 
-import keras
 import numpy as np
 import pytest
 
@@ -35,11 +34,7 @@ from keras_dist.checkpoint import store
 from tests.conftest import BACKEND
 from tests.multiprocess import WORKERS, run_job
 from tests.test_launcher import wait_until
-from tests.workers.checkpoint_resume_worker import (
-    EPOCHS,
-    build,
-    fit_inputs,
-)
+from tests.workers.checkpoint_resume_worker import EPOCHS, fit_in_this_process
 
 WORKER = "checkpoint_resume_worker.py"
 
@@ -147,18 +142,7 @@ def test_a_killed_then_preempted_job_ends_as_an_uninterrupted_one(
 def _fit_here(directory, kind: str = "arrays") -> list[np.ndarray]:
     """The worker's fit (no Dropout) in this process: 1 process, all its
     devices."""
-    model = build(dropout=False)
-    keras.utils.set_random_seed(7)
-    model.fit(
-        **fit_inputs(kind),
-        epochs=EPOCHS,
-        shuffle=True,
-        verbose=0,
-        callbacks=[
-            kd.DistributeCallback(kd.DataParallel()),
-            kd.Checkpoint(directory, save_freq=2, max_to_keep=None),
-        ],
-    )
+    model, _ = fit_in_this_process(directory, kind)
     return model.get_weights()
 
 

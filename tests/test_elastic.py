@@ -19,11 +19,10 @@ import keras
 import numpy as np
 import pytest
 
-import keras_dist as kd
 from keras_dist.checkpoint import store
 from keras_dist.cluster.launcher import LaunchConfig
 from tests.multiprocess import WORKERS
-from tests.workers.checkpoint_resume_worker import EPOCHS, build, fit_inputs
+from tests.workers.checkpoint_resume_worker import EPOCHS, fit_in_this_process
 
 BACKEND = keras.backend.backend()
 WORKER = WORKERS / "checkpoint_resume_worker.py"
@@ -51,34 +50,6 @@ def _launch(tmp_path, *flags: str, faults: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
 
 
-class _EpochLogs(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.epochs = {}
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.epochs[epoch] = {k: float(v) for k, v in (logs or {}).items()}
-
-
-def _uninterrupted(directory) -> tuple[list[np.ndarray], dict]:
-    """The worker's fit (no Dropout) in this process, never interrupted."""
-    model = build(dropout=False)
-    keras.utils.set_random_seed(7)
-    logs = _EpochLogs()
-    model.fit(
-        **fit_inputs("arrays"),
-        epochs=EPOCHS,
-        shuffle=True,
-        verbose=0,
-        callbacks=[
-            kd.DistributeCallback(kd.DataParallel()),
-            kd.Checkpoint(directory, save_freq=2, max_to_keep=None),
-            logs,
-        ],
-    )
-    return model.get_weights(), logs.epochs
-
-
 @pytest.mark.backend("torch")
 def test_a_rank_lost_with_no_restart_left_the_job_goes_on_with_the_others(
     tmp_path,
@@ -102,7 +73,12 @@ def test_a_rank_lost_with_no_restart_left_the_job_goes_on_with_the_others(
         and "going on with 2 process(es) of 3" in (changes[0])
     ), changes[0]
     result = json.loads((tmp_path / "result-0.json").read_text())
-    weights, epochs = _uninterrupted(tmp_path / "reference")
+    model, history = fit_in_this_process(tmp_path / "reference")
+    weights = model.get_weights()
+    epochs = {
+        epoch: {name: values[epoch] for name, values in history.history.items()}
+        for epoch in range(EPOCHS)
+    }
     for ours, theirs in zip(result["weights"], weights, strict=True):
         np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=0)
     logged = {}

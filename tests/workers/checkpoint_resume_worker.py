@@ -80,6 +80,25 @@ def fit_inputs(kind: str | None = None) -> dict:
     return {"x": x, "y": y, "batch_size": BATCH}
 
 
+def fit_in_this_process(directory, kind: str = "arrays", callbacks=()):
+    """The worker's fit (no Dropout) in the caller's process (one process, all
+    its devices), never interrupted; the model and its History."""
+    model = build(dropout=False)
+    keras.utils.set_random_seed(7)
+    history = model.fit(
+        **fit_inputs(kind),
+        epochs=EPOCHS,
+        shuffle=True,
+        verbose=0,
+        callbacks=[
+            kd.DistributeCallback(kd.DataParallel()),
+            kd.Checkpoint(directory, save_freq=2, max_to_keep=None),
+            *callbacks,
+        ],
+    )
+    return model, history
+
+
 class Fault(keras.callbacks.Callback):
     """This attempt's fault: the rank signals itself after a global step."""
 
