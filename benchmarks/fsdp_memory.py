@@ -3,25 +3,42 @@
 Feeds the "largest model that trains on this machine" estimate of the FSDP
 entries (see `benchmarks/README.md`): it trains an MLP of `--layers` square
 `Dense(--width)` layers (Adam, batch 64) for a few steps under
-`kd.DataParallel()`, `kd.FSDP()` or (JAX only, `--policy native`) Keras' own
+`kd.DataParallel()`, `kd.FSDP()`, `kd.FSDP(keep_optimizer_sharded=True)`
+(`--policy fsdp_keep`) or (JAX only, `--policy native`) Keras' own
 `ModelParallel` with the layouts `kd.FSDP` would give, or (PyTorch only,
 `--policy native`) a plain torch MLP of the same shape under FSDP2's
 `fully_shard` (per Linear and the root; `--no-reshard-after-forward` keeps
 each layer's gathered weights until its backward) with `torch.optim.Adam`,
-and prints, as JSON, the parameter count, the process' resident memory
-before the model is built and its peak after the fit, and the peak growth per
-parameter. It also reports the peak of the training steps after the first
-(`step_peak_growth_bytes_per_param`: the peak resident memory is reset, by
-`/proc/self/clear_refs`, when the first step ends), which leaves out what a
-`fit` does once (building the optimizer, sharding at its start and gathering
-at its end) and is the figure FSDP's sharding decides. And the bytes
-malloc has handed out and not taken back (glibc's `mallinfo2`, exact where
-resident memory keeps freed pages) when each step's backward starts (a hook
-on the gradient of the model's outputs), the largest over the steps, as
-`backward_start_growth_bytes_per_param`: what is kept from the forward for
-the backward, where FSDP's whole weights (without resharding) pile up. On JAX the N
+and prints, as JSON, the parameter count and, per parameter, how much more
+the process held at its peak than before the model was built:
+
+- `peak_growth_bytes_per_param`: resident memory (VmHWM), the whole run
+  (build, fit, the fit's end);
+- `peak_allocated_growth_bytes_per_param`: what malloc had handed out
+  (glibc's `mallinfo2`, sampled every 0.2 ms by a thread), the whole run:
+  the bytes really held, where resident memory also counts the freed pages
+  glibc keeps (below);
+- `step_peak_growth_bytes_per_param`: resident memory during the steps after
+  the first (the peak is reset, by `/proc/self/clear_refs`, when the first
+  step ends), leaving out what a `fit` does once;
+- `backward_start_growth_bytes_per_param`: what malloc had handed out when
+  each step's backward starts (a hook on the gradient of the model's
+  outputs), the largest over the steps: what is kept from the forward for the
+  backward.
+
+Before `before` is read, the same path runs once on a small model
+(`--no-warm-up` leaves it out): the first model of a process costs about
+440 MB resident whatever its size (torch's and Keras' lazily loaded modules
+and kernels, the process groups), 17 bytes per parameter of the default
+model, which would otherwise count as if it grew with the model. On JAX the N
 simulated devices are one process, so this is the memory of all N together;
 on PyTorch each process is one device and reports its own.
+
+`--compare` (PyTorch) runs `--policies` in 2-process jobs, interleaved
+`--repeats` times, once with glibc's default malloc and once with
+`MALLOC_MMAP_THRESHOLD_=131072` (every block of 128 KiB or more its own
+mapping, returned when freed: resident memory then follows what is
+allocated), and prints the medians and ranges.
 
 ```shell
 KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 PYTHONPATH=. \
@@ -30,6 +47,7 @@ KERAS_BACKEND=torch PYTHONPATH=. python -m keras_dist launch --nproc-per-node 2 
     benchmarks/fsdp_memory.py --policy fsdp
 KERAS_BACKEND=torch PYTHONPATH=. python -m keras_dist launch --nproc-per-node 2 \
     benchmarks/fsdp_memory.py --policy native
+KERAS_BACKEND=torch PYTHONPATH=. python benchmarks/fsdp_memory.py --compare --repeats 3
 ```
 """
 
@@ -40,7 +58,13 @@ import keras_dist as kd  # isort: skip  (applies KERAS_DIST_CPU_DEVICES first)
 import argparse
 import ctypes
 import json
+import os
 import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
 from typing import Any
 
 import keras
@@ -68,10 +92,26 @@ def reset_peak() -> None:
     resident memory (Linux >= 4.0; `ru_maxrss` cannot be reset), after
     returning the heap's free pages to the system (glibc's `malloc_trim`):
     otherwise memory freed since the start (the whole weights a fit shards)
-    stays resident and sets the floor of the steps' peak."""
+    stays resident and sets the floor of the steps' peak. The peak so far
+    is kept in `_PEAK_BEFORE_RESETS` (see `whole_peak`)."""
+    _PEAK_BEFORE_RESETS[0] = max(_PEAK_BEFORE_RESETS[0], status_bytes("VmHWM"))
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
         clear.write("5")
+
+
+_PEAK_BEFORE_RESETS = [0]
+
+
+def start_whole_peak() -> None:
+    """Reset the peak resident memory now; `whole_peak()` is then the peak
+    from here on, across the resets that `reset_peak` does meanwhile."""
+    reset_peak()
+    _PEAK_BEFORE_RESETS[0] = 0
+
+
+def whole_peak() -> int:
+    return max(_PEAK_BEFORE_RESETS[0], status_bytes("VmHWM"))
 
 
 def resident_bytes() -> int:
@@ -95,6 +135,36 @@ def allocated_bytes() -> int:
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
     return info.uordblks + info.hblkhd
+
+
+class AllocatedPeak:
+    """The most `allocated_bytes()` seen from `start()` to `stop()`, read
+    every 0.2 ms by a thread (torch's kernels release the GIL): what the
+    process really held at its peak, which resident memory overstates by
+    the pages malloc keeps (see `benchmarks/README.md`). Sampled, so a
+    peak shorter than a sample can be missed; it never counts more than was
+    allocated."""
+
+    def __init__(self) -> None:
+        self.most = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.most = max(self.most, allocated_bytes())
+            time.sleep(0.0002)
+
+    def start(self) -> AllocatedPeak:
+        self.most = allocated_bytes()
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.most = max(self.most, allocated_bytes())
+        return self.most
 
 
 class BackwardStart:
@@ -194,7 +264,7 @@ def fit_native(
     local = BATCH // kd.num_processes()
     for step in range(args.steps):
         start = step * BATCH + kd.process_id() * local
-        inputs = torch.from_numpy(x[start : start + local])
+        inputs = torch.from_numpy(x[start : start + local, :width])
         targets = torch.from_numpy(y[start : start + local]).long()
         loss = loss_fn(model(inputs), targets)
         optimizer.zero_grad()
@@ -206,14 +276,181 @@ def fit_native(
     return params, status_bytes("VmHWM"), backward.most
 
 
+def fit_keras(
+    args: argparse.Namespace, x: np.ndarray, y: np.ndarray, policy: str
+) -> tuple[int, int, int | None]:
+    """A few steps of `build(args)` under `policy` (`"dp"`, `"fsdp"`, or
+    `"native"`: Keras' own ModelParallel, JAX); returns the parameter
+    count, the steps' peak and `BackwardStart`'s figure (torch)."""
+    fsdp = kd.FSDP(keep_optimizer_sharded=policy == "fsdp_keep")
+    native = None
+    if policy == "native":
+        native = keras.distribution.ModelParallel(
+            layout_map=native_layout_map(fsdp, args), batch_dim_name=fsdp.axis
+        )
+        keras.distribution.set_distribution(native)
+    model = build(args)
+    backward = BackwardStart(model) if keras.backend.backend() == "torch" else None
+    if native is None:
+        callbacks = [
+            kd.DistributeCallback(
+                fsdp if policy.startswith("fsdp") else kd.DataParallel()
+            )
+        ]
+    else:
+        callbacks = []
+    # A per-batch callback keeps batch ends synchronous: clear of the XLA CPU
+    # rendezvous stall of a plain fit on simulated devices (README).
+    step_peaks = StepPeak()
+    callbacks += [StepTimer(), step_peaks]
+    model.fit(
+        x[: BATCH * args.steps, : args.width],
+        y[: BATCH * args.steps],
+        batch_size=BATCH,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+    )
+    if native is not None:
+        keras.distribution.set_distribution(None)
+    return (
+        model.count_params(),
+        step_peaks.peak,
+        backward.most if backward is not None else None,
+    )
+
+
+def run_once(args: argparse.Namespace) -> dict:
+    """One measurement in this process (see the module docstring)."""
+    backend = keras.backend.backend()
+    if args.policy == "native" and backend not in ("jax", "torch"):
+        raise ValueError(
+            "--policy native is Keras' own ModelParallel on JAX or "
+            f"fully_shard on PyTorch. Received: backend {backend!r}"
+        )
+    if backend == "torch":
+        kd.initialize()
+        import torch
+
+        torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * args.steps, args.width)).astype("float32")
+    y = rng.integers(0, 10, size=(BATCH * args.steps,)).astype("int32")
+    native_torch = args.policy == "native" and backend == "torch"
+
+    def fit(sizes: argparse.Namespace) -> tuple[int, int, int | None]:
+        if native_torch:
+            return fit_native(sizes, x, y, args.reshard)
+        return fit_keras(sizes, x, y, args.policy)
+
+    if args.warm_up:
+        # What the first model of a process costs whatever its size (torch's
+        # and Keras' lazily loaded modules and kernels, the process groups:
+        # about 440 MB resident for the first Keras model on torch, 17 bytes
+        # per parameter of the default model) is paid here, on a small model
+        # through the same path, so the figures below grow with the model.
+        fit(argparse.Namespace(width=64, layers=2, steps=2))
+        import gc
+
+        gc.collect()
+    start_whole_peak()
+    before = resident_bytes()
+    allocated_before = allocated_bytes()
+    whole_run = AllocatedPeak().start()
+    params, step_peak, backward_start = fit(args)
+    allocated_peak = whole_run.stop()
+    # Without the warm-up the process' peak since it started (`ru_maxrss`),
+    # as before 2026-12-02; with it the peak since `before`.
+    peak = whole_peak() if args.warm_up else peak_resident_bytes()
+    return {
+        "backend": backend,
+        "devices": len(kd.list_devices()),
+        "process": kd.process_id(),
+        "processes": kd.num_processes(),
+        "policy": args.policy
+        + ("_no_reshard" if args.policy == "native" and not args.reshard else ""),
+        "params": params,
+        "warm_up": args.warm_up,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "rss_before_build_bytes": before,
+        "peak_rss_bytes": peak,
+        "peak_growth_bytes_per_param": (peak - before) / params,
+        "step_peak_rss_bytes": step_peak,
+        "step_peak_growth_bytes_per_param": (step_peak - before) / params,
+        "peak_allocated_growth_bytes_per_param": (allocated_peak - allocated_before)
+        / params,
+        "backward_start_growth_bytes_per_param": None
+        if backward_start is None
+        else (backward_start - allocated_before) / params,
+    }
+
+
+def compare(args: argparse.Namespace) -> None:
+    """PyTorch: each of `--policies` in its own 2-process job (the launcher),
+    interleaved `--repeats` times, with glibc's default malloc and with
+    `MALLOC_MMAP_THRESHOLD_` fixed; per policy, the medians and ranges of
+    each figure, the larger of the two processes' in each run."""
+    figures = (
+        "peak_growth_bytes_per_param",
+        "peak_allocated_growth_bytes_per_param",
+        "step_peak_growth_bytes_per_param",
+        "backward_start_growth_bytes_per_param",
+    )
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(args.repeats):
+        for malloc in ("default", "mmap_threshold_128k"):
+            for policy in args.policies:
+                env = dict(os.environ)
+                env.pop("MALLOC_MMAP_THRESHOLD_", None)
+                if malloc != "default":
+                    env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
+                command = [
+                    sys.executable, "-m", "keras_dist", "launch",
+                    "--nproc-per-node", str(args.nproc), __file__,
+                    "--policy", policy, "--width", str(args.width),
+                    "--layers", str(args.layers), "--steps", str(args.steps),
+                ]  # fmt: skip
+                done = subprocess.run(
+                    command, capture_output=True, text=True, env=env, check=False
+                )
+                if done.returncode:
+                    raise SystemExit(done.stdout[-2000:] + done.stderr[-3000:])
+                results = [
+                    json.loads(line[line.index("{") :])
+                    for line in done.stdout.splitlines()
+                    if '{"backend"' in line
+                ]
+                worst = {
+                    figure: max(result[figure] for result in results)
+                    for figure in figures
+                }
+                runs.setdefault((malloc, policy), []).append({**results[0], **worst})
+    for (malloc, policy), results in runs.items():
+        summary = {
+            "malloc": malloc,
+            "policy": policy,
+            "params": results[0]["params"],
+            "processes": results[0]["processes"],
+            "runs": len(results),
+        }
+        for figure in figures:
+            values = [result[figure] for result in results]
+            summary[figure] = round(statistics.median(values), 2)
+            summary[figure.replace("_bytes_per_param", "_range")] = [
+                round(min(values), 2),
+                round(max(values), 2),
+            ]
+        print(json.dumps(summary), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--policy",
-        choices=("dp", "fsdp", "native"),
-        required=True,
-        help="native: on JAX Keras' ModelParallel with kd.FSDP's layouts, "
-        "set before the model is built; on PyTorch a torch MLP under fully_shard",
+        choices=("dp", "fsdp", "fsdp_keep", "native"),
+        help="fsdp_keep: kd.FSDP(keep_optimizer_sharded=True); native: on JAX "
+        "Keras' ModelParallel with kd.FSDP's layouts, set before the model is "
+        "built; on PyTorch a torch MLP under fully_shard",
     )
     parser.add_argument(
         "--no-reshard-after-forward",
@@ -221,10 +458,33 @@ def main() -> None:
         action="store_false",
         help="PyTorch --policy native: fully_shard(reshard_after_forward=False)",
     )
+    parser.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="measure from the process' start: the first model's one-time costs "
+        "count as if they grew with the model (the figures before 2026-12-02)",
+    )
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="PyTorch: run --policies in 2-process jobs, interleaved, twice each "
+        "(default malloc, fixed mmap threshold); print medians and ranges",
+    )
+    parser.add_argument(
+        "--policies", nargs="+", default=["fsdp", "fsdp_keep", "native", "dp"]
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
+    if args.compare:
+        compare(args)
+        return
+    if args.policy is None:
+        raise ValueError("Pass --policy dp|fsdp|native, or --compare.")
     if not args.reshard and (
         args.policy != "native" or keras.backend.backend() != "torch"
     ):
@@ -233,76 +493,7 @@ def main() -> None:
             "--policy native on PyTorch. Received: --policy "
             f"{args.policy} on {keras.backend.backend()}"
         )
-    if keras.backend.backend() == "torch":
-        kd.initialize()
-        import torch
-
-        torch.set_num_threads(1)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(BATCH * args.steps, args.width)).astype("float32")
-    y = rng.integers(0, 10, size=(BATCH * args.steps,)).astype("int32")
-    before = resident_bytes()
-    allocated_before = allocated_bytes()
-    fsdp = kd.FSDP()
-    native = None
-    if args.policy == "native" and keras.backend.backend() == "torch":
-        params, step_peak, backward_start = fit_native(args, x, y, args.reshard)
-    else:
-        if args.policy == "native":
-            if keras.backend.backend() != "jax":
-                raise ValueError(
-                    "--policy native is Keras' own ModelParallel on JAX or "
-                    "fully_shard on PyTorch. Received: backend "
-                    f"{keras.backend.backend()!r}"
-                )
-            native = keras.distribution.ModelParallel(
-                layout_map=native_layout_map(fsdp, args), batch_dim_name=fsdp.axis
-            )
-            keras.distribution.set_distribution(native)
-        model = build(args)
-        backward = BackwardStart(model) if keras.backend.backend() == "torch" else None
-        if native is None:
-            callbacks = [
-                kd.DistributeCallback(
-                    fsdp if args.policy == "fsdp" else kd.DataParallel()
-                )
-            ]
-        else:
-            callbacks = []
-        # A per-batch callback keeps batch ends synchronous: clear of the XLA CPU
-        # rendezvous stall of a plain fit on simulated devices (README).
-        step_peaks = StepPeak()
-        callbacks += [StepTimer(), step_peaks]
-        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
-        params, step_peak = model.count_params(), step_peaks.peak
-        backward_start = backward.most if backward is not None else None
-    peak = peak_resident_bytes()
-    print(
-        json.dumps(
-            {
-                "backend": keras.backend.backend(),
-                "devices": len(kd.list_devices()),
-                "process": kd.process_id(),
-                "processes": kd.num_processes(),
-                "policy": args.policy
-                + (
-                    "_no_reshard"
-                    if args.policy == "native" and not args.reshard
-                    else ""
-                ),
-                "params": params,
-                "rss_before_build_bytes": before,
-                "peak_rss_bytes": peak,
-                "peak_growth_bytes_per_param": (peak - before) / params,
-                "step_peak_rss_bytes": step_peak,
-                "step_peak_growth_bytes_per_param": (step_peak - before) / params,
-                "backward_start_growth_bytes_per_param": None
-                if backward_start is None
-                else (backward_start - allocated_before) / params,
-            }
-        ),
-        flush=True,
-    )
+    print(json.dumps(run_once(args)), flush=True)
 
 
 if __name__ == "__main__":

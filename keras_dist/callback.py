@@ -37,6 +37,9 @@ class DistributeCallback(keras.callbacks.Callback):
     ```
     """
 
+    # The run it starts needs `training.session` from the call's start on.
+    starts_runs = True
+
     def __init__(self, distribution: Any):
         super().__init__()
         self.distribution = check_distribution(distribution, "DistributeCallback")

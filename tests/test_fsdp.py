@@ -120,7 +120,13 @@ def test_fsdp_rejects_bad_arguments():
         kd.FSDP(mesh, min_size=-1)
     with pytest.raises(ValueError, match="not both"):
         kd.FSDP(mesh, devices=["cpu:0"])
+    with pytest.raises(TypeError, match="keep_optimizer_sharded='yes'"):
+        kd.FSDP(mesh, keep_optimizer_sharded="yes")
     assert isinstance(kd.FSDP(mesh), keras.distribution.ModelParallel)
+    assert not kd.FSDP(mesh).keep_optimizer_sharded
+    kept = kd.FSDP(mesh, keep_optimizer_sharded=True)
+    assert kept.keep_optimizer_sharded
+    assert "keep_optimizer_sharded=True" in repr(kept)
 
 
 @pytest.mark.backend("tensorflow")

@@ -235,6 +235,15 @@ class BackendAdapter(abc.ABC):
         already the global one when this is called.
         """
 
+    def call_starting(self, model: Any, name: str, distribution: Any) -> Any:
+        """A context manager around a whole Keras call `name` (`"fit"`,
+        `"evaluate"`, `"predict"`) on `model`, `distribution` being the one a
+        `DistributeCallback` among its callbacks holds (None without one):
+        entered before Keras builds anything for the call (the optimizer's
+        slots included), left after the call's run ended. Nothing by
+        default."""
+        return contextlib.nullcontext()
+
     def scope(self, distribution: Any) -> Any:
         """A context manager entered by `distribution.scope()`, after the
         distribution became the global one. Nothing more by default."""

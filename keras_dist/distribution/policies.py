@@ -489,6 +489,19 @@ class FSDP(ModelParallel):
         auto_shard_dataset: see `Distribution`.
         remat: keyword only; see `Distribution` (activation checkpointing, for
             models whose activations do not fit beside their shards).
+        keep_optimizer_sharded: keyword only, PyTorch. False (the default):
+            when a call ends, the variables and the optimizer's state are
+            gathered back into whole tensors, an ordinary Keras model again.
+            True: the optimizer's state (Adam's moments: 8 bytes a parameter
+            in fp32) stays split between calls, each process holding its
+            part, and the next `fit` under this distribution goes on from
+            it; only the weights are gathered (FSDP2 keeps both split). Reading
+            that state outside a call (`model.save`, `save_weights`,
+            `kd.export`, `optimizer.variables[i].numpy()`) gathers it and is
+            collective: every process must make the same call, as Keras 3.16
+            asks for its own sharded torch variables. A `fit` without this
+            distribution gathers it back first. On JAX the state is a sharded
+            array either way; TensorFlow does not split it.
 
     Example:
 
@@ -509,7 +522,13 @@ class FSDP(ModelParallel):
         *,
         devices: Any = None,
         remat: Any = None,
+        keep_optimizer_sharded: bool = False,
     ):
+        if not isinstance(keep_optimizer_sharded, bool):
+            raise TypeError(
+                "`keep_optimizer_sharded` must be True or False. Received: "
+                f"keep_optimizer_sharded={keep_optimizer_sharded!r}"
+            )
         if not isinstance(axis, str):
             raise TypeError(
                 f"`axis` must be the name of a mesh axis. Received: axis={axis!r}"
@@ -547,6 +566,7 @@ class FSDP(ModelParallel):
             layout_map = LayoutMap(device_mesh)
         self._axis = axis
         self._min_size = int(min_size)
+        self._keep_optimizer_sharded = keep_optimizer_sharded
         super().__init__(device_mesh, layout_map, axis, auto_shard_dataset, remat=remat)
 
     @property
@@ -557,6 +577,11 @@ class FSDP(ModelParallel):
     @property
     def min_size(self) -> int:
         return self._min_size
+
+    @property
+    def keep_optimizer_sharded(self) -> bool:
+        """Whether the optimizer's state stays split between calls (PyTorch)."""
+        return self._keep_optimizer_sharded
 
     def fsdp_dimension(
         self, path: str, shape: tuple, dtype: Any, axes: tuple
@@ -591,5 +616,7 @@ class FSDP(ModelParallel):
     def __repr__(self) -> str:
         return (
             f"<FSDP device_mesh={self.device_mesh}, axis={self._axis!r}, "
-            f"min_size={self._min_size}>"
+            f"min_size={self._min_size}"
+            + (", keep_optimizer_sharded=True" if self._keep_optimizer_sharded else "")
+            + ">"
         )

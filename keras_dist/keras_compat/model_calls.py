@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -12,9 +13,11 @@ import keras
 MODEL_CALLS = ("fit", "evaluate", "predict")
 
 
-def run_model_calls_within(around: Callable[[Any], Any]) -> None:
+def run_model_calls_within(around: Callable[[Any, str, Any], Any]) -> None:
     """Run every model's `fit`, `evaluate` and `predict` inside the context
-    manager `around(model)`, from now on (idempotent).
+    manager `around(model, name, callbacks)` (`name`: `"fit"`, `"evaluate"` or
+    `"predict"`; `callbacks`: what the call was given, None when nothing),
+    from now on (idempotent).
 
     Keras tells callbacks when a call ends but not when it raises, so what a
     callback switched on for the call would outlive a call that raised;
@@ -26,15 +29,25 @@ def run_model_calls_within(around: Callable[[Any], Any]) -> None:
         original = getattr(keras.Model, name)
         if getattr(original, "_keras_dist_around", None) is not None:
             continue
-        setattr(keras.Model, name, _call_within(original, around))
+        setattr(keras.Model, name, _call_within(original, name, around))
 
 
 def _call_within(
-    original: Callable[..., Any], around: Callable[[Any], Any]
+    original: Callable[..., Any], name: str, around: Callable[[Any, str, Any], Any]
 ) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with around(self):
+        if "callbacks" in kwargs:
+            callbacks = kwargs["callbacks"]
+        else:
+            try:
+                bound = signature.bind_partial(self, *args, **kwargs).arguments
+            except TypeError:  # Keras' own call raises the clear error
+                bound = {}
+            callbacks = bound.get("callbacks")
+        with around(self, name, callbacks):
             return original(self, *args, **kwargs)
 
     call._keras_dist_around = around  # type: ignore[attr-defined]
@@ -43,8 +56,6 @@ def _call_within(
 
 def check() -> list[str]:
     """What `run_model_calls_within` needs."""
-    import inspect  # noqa: PLC0415
-
     missing = []
     for name in MODEL_CALLS:
         call = getattr(keras.Model, name, None)

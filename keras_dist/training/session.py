@@ -167,24 +167,45 @@ def active_run(model: Any) -> DistributedRun | None:
     return None if run is None or run.stale else run
 
 
+def _distribution_in(callbacks: Any) -> Distribution | None:
+    """The distribution of the first `DistributeCallback` among a call's
+    callbacks (a list or a `CallbackList`), if any: a callback class that
+    starts a run for its `distribution` says so with `starts_runs = True`."""
+    for callback in getattr(callbacks, "callbacks", callbacks) or ():
+        if getattr(type(callback), "starts_runs", False):
+            return callback.distribution
+    return None
+
+
 @contextlib.contextmanager
-def _runs_end_with_their_call(model: Any) -> Iterator[None]:
+def _runs_end_with_their_call(
+    model: Any, name: str = "fit", callbacks: Any = None
+) -> Iterator[None]:
     """A run started during a Keras call on `model` (by a `DistributeCallback`)
     ends with that call, also when it raises: Keras calls no callback then,
     and the run's patches, global distribution and steps would stay behind
-    for the next call of this model or any other."""
+    for the next call of this model or any other. With a `DistributeCallback`
+    among `callbacks`, the backend adapter's `call_starting` is around the
+    whole call (Keras builds the optimizer before the run starts), and
+    around any call without one (the model may hold what a run left split)."""
     for stale in [run for run in _active_runs.values() if run.stale]:
         stale.stop()
+    starting = (
+        get_adapter().call_starting(model, name, _distribution_in(callbacks))
+        if id(model) not in _active_runs
+        else contextlib.nullcontext()
+    )
     before = _active_runs.get(id(model))
     token = object()
-    _calls_in_progress.append(token)
-    try:
-        yield
-    finally:
-        _calls_in_progress.remove(token)
-        run = _active_runs.get(id(model))
-        if run is not None and run is not before:
-            run.stop()
+    with starting:
+        _calls_in_progress.append(token)
+        try:
+            yield
+        finally:
+            _calls_in_progress.remove(token)
+            run = _active_runs.get(id(model))
+            if run is not None and run is not before:
+                run.stop()
 
 
 # What importing keras_dist patches in Keras (listed in `keras_compat`).

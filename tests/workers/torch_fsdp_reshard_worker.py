@@ -1,4 +1,5 @@
-"""One process of a PyTorch FSDP job that checks when whole weights are freed.
+"""One process of a PyTorch FSDP job that checks when whole weights are freed,
+and what the optimizer's state costs.
 
 Usage: python torch_fsdp_reshard_worker.py OUTPUT_JSON
 
@@ -14,11 +15,20 @@ the same fit on one device.
 
 `Watched` is not the first layer: a matmul saves its second operand only when
 the first one (here the previous layer's output) needs a gradient.
+
+The optimizer's state (`optimizer_state`): what malloc holds more after Keras
+builds Adam's slots inside a `kd.FSDP` fit (split as each is made: half of
+the 8 bytes a parameter on 2 processes), and `FSDP(keep_optimizer_sharded=
+True)`: the slots stay split between two fits, `model.save` from every
+process writes them whole, a later plain `fit` gathers them first, and the
+weights and state match one device at every point.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import pathlib
 import sys
 
 import worker_seed
@@ -30,6 +40,7 @@ kd.initialize()
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 
 
@@ -76,6 +87,112 @@ def build(record: Record) -> keras.Model:
     return model
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "
+            "fordblks keepcost"
+        ).split()
+    ]
+
+
+def allocated_bytes() -> int:
+    """Bytes malloc has handed out (glibc's `mallinfo2`: torch's CPU tensors)."""
+    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def slot_build_growth() -> float:
+    """What malloc holds more after Keras builds Adam inside a kd.FSDP fit,
+    as a fraction of Adam's whole state (8 bytes a parameter)."""
+    worker_seed.set_random_seed(5)
+    model = keras.Sequential(
+        [keras.Input((512,))]
+        + [keras.layers.Dense(512, use_bias=False) for _ in range(4)]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    growth = []
+    build = model.optimizer.build
+
+    def measured_build(variables):
+        before = allocated_bytes()
+        build(variables)
+        growth.append(allocated_bytes() - before)
+
+    model.optimizer.build = measured_build
+    rng = np.random.default_rng(1)
+    model.fit(
+        rng.normal(size=(8, 512)).astype("float32"),
+        rng.normal(size=(8, 512)).astype("float32"),
+        batch_size=8,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(kd.FSDP(min_size=0))],
+    )
+    return growth[0] / (8 * model.count_params())
+
+
+def optimizer_state(x: np.ndarray, y: np.ndarray, directory: pathlib.Path) -> dict:
+    """`FSDP(keep_optimizer_sharded=True)` against one device: two fits, a
+    save between them, then a plain fit."""
+    seen: dict = {}
+    states = {}
+    for name, distribution in (
+        ("kept", kd.FSDP(min_size=0, keep_optimizer_sharded=True)),
+        ("one_device", None),
+    ):
+        worker_seed.set_random_seed(3)
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8, activation="tanh"),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        callbacks = [kd.DistributeCallback(distribution)] if distribution else []
+        fit = dict(batch_size=8, shuffle=False, verbose=0)
+        model.fit(x, y, callbacks=callbacks, **fit)
+        slots = [v for v in model.optimizer.variables if len(v.shape) > 0]
+        seen[f"{name}_split_after_fit"] = [
+            isinstance(v._value, DTensor) for v in slots
+        ]
+        seen[f"{name}_weights_split_after_fit"] = any(
+            isinstance(v._value, DTensor) for v in model.weights
+        )
+        seen[f"{name}_local_fraction"] = sum(
+            (v._value.to_local() if isinstance(v._value, DTensor) else v._value).numel()
+            for v in slots
+        ) / sum(int(np.prod(v.shape)) for v in slots)
+        first = [np.asarray(v) for v in model.optimizer.variables]  # collective
+        path = directory / f"{name}.keras"
+        model.save(path)  # every process; process 0 writes
+        model.fit(x, y, callbacks=callbacks, **fit)  # goes on from the split state
+        second = [np.asarray(v) for v in model.optimizer.variables]
+        model.fit(x, y, **fit)  # plain Keras: the state is gathered first
+        seen[f"{name}_split_after_plain_fit"] = any(
+            isinstance(v._value, DTensor) for v in model.optimizer.variables
+        )
+        states[name] = (first, second, model.get_weights(), path)
+    kept, one = states["kept"], states["one_device"]
+
+    def difference(ours: list, theirs: list) -> float:
+        return max(
+            float(np.max(np.abs(a - b))) for a, b in zip(ours, theirs, strict=True)
+        )
+
+    seen["state_difference_after_first_fit"] = difference(kept[0], one[0])
+    seen["state_difference_after_second_fit"] = difference(kept[1], one[1])
+    seen["weight_difference_after_plain_fit"] = difference(kept[2], one[2])
+    loaded = keras.saving.load_model(kept[3])
+    seen["saved_state_difference"] = difference(
+        [np.asarray(v) for v in loaded.optimizer.variables], one[0]
+    )
+    return seen
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 6)).astype("float32")
@@ -96,6 +213,8 @@ def main() -> None:
         seen[name] = record.alive
     result = {
         "process_id": kd.process_id(),
+        "slot_build_growth": slot_build_growth(),
+        "optimizer_state": optimizer_state(x, y, pathlib.Path(sys.argv[1]).parent),
         "alive_in_backward": seen,
         "difference": max(
             float(np.max(np.abs(ours - theirs)))

@@ -22,12 +22,15 @@ dispatch inside the model: each layer computes on plain tensors, as FSDP2 does
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import os
+import sys
 import weakref
 from typing import Any
 
+import keras
 import numpy as np
 import torch
 import torch.distributed as torch_distributed
@@ -57,6 +60,14 @@ def _dtensor() -> Any:
     from keras_dist.backends.torch import dtensor  # noqa: PLC0415
 
     return dtensor
+
+
+def _gather_resting(model: Any) -> None:
+    """Gather the optimizer state a run left split (`dtensor.gather_resting`);
+    nothing, and no import, when no run ever split one."""
+    dtensor = sys.modules.get("keras_dist.backends.torch.dtensor")
+    if dtensor is not None:
+        dtensor.gather_resting(model)
 
 
 def _placements() -> Any:
@@ -458,6 +469,24 @@ class TorchAdapter(BackendAdapter):
             self._undo_activation(model)
             raise
 
+    def call_starting(self, model: Any, name: str, distribution: Any) -> Any:
+        """Keras builds the optimizer before the call's run starts: with
+        sharded variables its slots are split as they are made
+        (`dtensor.split_when_made`), never held whole. A `fit` without
+        sharded variables first gathers the optimizer state a run left split
+        (`FSDP(keep_optimizer_sharded=True)`); `evaluate` and `predict` do
+        not read it."""
+        sharded = isinstance(distribution, keras.distribution.ModelParallel)
+        if name == "fit" and not sharded:
+            _gather_resting(model)
+        if (
+            not sharded
+            or not torch_distributed.is_initialized()
+            or torch_distributed.get_world_size() == 1
+        ):
+            return contextlib.nullcontext()
+        return _dtensor().split_when_made(model, distribution)
+
     def _activate(self, model: Any, distribution: Any) -> None:
         dtensors = self._check_layouts(model, distribution)
         if dtensors and getattr(distribution, "remat", None) is not None:
@@ -494,6 +523,8 @@ class TorchAdapter(BackendAdapter):
             collectives = _dtensor().collectives(run)
             replicas, replica = 1, 0
         else:
+            # What an FSDP run left split is whole again for this one.
+            _gather_resting(model)
             if world_size > 1:
                 self._broadcast_from_process_zero(model)
             collectives = self._collectives(model, user_steps)

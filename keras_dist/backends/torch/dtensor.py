@@ -27,7 +27,18 @@ model is then an ordinary Keras model again (`model(x)`, `get_weights()`,
 the next distributed call shards it again. While a call runs, `np.asarray` of a
 sharded variable (`get_weights()`, checkpoints in callbacks) gathers its full
 value, which is collective: every process must do it, as keras_dist's
-callbacks do.
+callbacks do. With `FSDP(keep_optimizer_sharded=True)` the optimizer's slots
+stay split between calls (`_resting`): reading one gathers it (collective),
+the next run under the same layouts takes them as they are, and a `fit`
+without sharded variables gathers them first.
+
+Memory as FSDP2's: the optimizer slots that Keras builds during a call are
+split as each is made (`split_when_made`, `split_slot`), never all whole; a
+value a variable no longer holds is freed at once (`_free`), not when the
+layers let go of it (the whole model next to its parts); the last step's
+gradients are dropped before the end of a call gathers; and in plain compute
+the optimizer updates its parts in a few groups (`update_in_pieces`), so
+Keras' temporaries are a fraction of a process' share, not three times it.
 
 An op that DTensor cannot run (e.g. a sharded `Conv2D` kernel in this torch
 release) fails with a `NotImplementedError` that names the op and the layer.
@@ -46,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,9 +81,14 @@ from keras_dist.backends.torch.fsdp_plain import (
     plain_compute_group,
     read_variable,
 )
-from keras_dist.backends.torch.placements import device_type, placements, torch_mesh
+from keras_dist.backends.torch.placements import (
+    device_type,
+    is_sharded,
+    placements,
+    torch_mesh,
+)
 from keras_dist.keras_compat.layers import layers_of
-from keras_dist.keras_compat.optimizers import slot_owners
+from keras_dist.keras_compat.optimizers import each_new_slot, slot_owners
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -192,6 +209,129 @@ def _attention_kernels() -> contextlib.AbstractContextManager:
     return sdpa_kernel(SDPBackend.MATH)
 
 
+def _distribute(variable: Any, mesh: Any, where: Any) -> Any:
+    """Make `variable` hold its part of process 0's value, as a DTensor
+    Parameter with the placements `where`; returns it."""
+    value = internals.variable_storage(variable)
+    with torch.no_grad():
+        sharded = distribute_tensor(value.detach(), mesh, where)
+    parameter = torch.nn.Parameter(sharded, requires_grad=value.requires_grad)
+    internals.set_variable_storage(variable, parameter)
+    _free(value, parameter)
+    return parameter
+
+
+def _free(replaced: Any, kept: Any) -> None:
+    """Free the memory of a value a variable no longer holds, now: the layers
+    list the old Parameter until `retrack_parameters`, which would keep every
+    replaced value alive until the last one is replaced (the whole model next
+    to its parts). Its storage is emptied (`resize_(0)`, as FSDP2 frees what
+    it gathered) unless `kept`, the new value, shares it (a replicated
+    placement) or it is not torch's to resize (memory lent by numpy)."""
+    storage = _local(replaced).untyped_storage()
+    if (
+        storage.data_ptr() != _local(kept).untyped_storage().data_ptr()
+        and storage.resizable()
+    ):
+        storage.resize_(0)
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def split_slot(distribution: Any, reference: Any, slot: Any) -> bool:
+    """Split an optimizer slot just made for `reference` as the distribution
+    lays `reference` out, when that layout shards it; whether it did. Each
+    slot is split before the next is made, so the optimizer's state is never
+    held whole (Adam's: 8 bytes a parameter); a `ShardedRun` takes the split
+    slots over as they are."""
+    layout = distribution.layout_for_variable(reference)
+    if not is_sharded(layout) or isinstance(internals.variable_storage(slot), DTensor):
+        return False
+    mesh = torch_mesh(distribution.device_mesh)
+    _distribute(
+        slot, mesh, placements(layout.axes, list(distribution.device_mesh.axis_names))
+    )
+    return True
+
+
+@contextlib.contextmanager
+def split_when_made(model: Any, distribution: Any) -> Iterator[None]:
+    """Around a Keras call under `distribution` (`BackendAdapter.call_starting`):
+    the slots Keras' own build makes for the model's optimizer, before the
+    call's run starts, are split when made (`split_slot`). A slot still split
+    when the call ends (its run never started: the call failed first) is
+    gathered back into a plain tensor, as a run's end does, unless the run
+    left it split on purpose (`_resting`)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or optimizer.built:
+        yield
+        return
+    split: list[Any] = []
+
+    def made(reference: Any, slot: Any) -> None:
+        if split_slot(distribution, reference, slot):
+            split.append(slot)
+
+    try:
+        with each_new_slot(optimizer, made):
+            yield
+    finally:
+        resting = {id(slot) for slot in _resting.get(id(model), ())}
+        for slot in split:
+            if id(slot) not in resting:
+                _gather(slot)
+
+
+# -- the optimizer's state kept split between calls --------------------------------
+# `FSDP(keep_optimizer_sharded=True)`: id(model) -> the slots its last run left
+# split. While any are, the variable patches stay on (reading one gathers it,
+# assigning one keeps this process' part).
+_resting: dict[int, list[Any]] = {}
+
+
+def _gather(variable: Any) -> None:
+    """Make a DTensor variable hold its whole value again (collective)."""
+    value = internals.variable_storage(variable)
+    if isinstance(value, DTensor):
+        with torch.no_grad():
+            full = torch.nn.Parameter(
+                value.full_tensor(), requires_grad=value.requires_grad
+            )
+        internals.set_variable_storage(variable, full)
+        _free(value, full)
+
+
+def _rest(model: Any, slots: list[Any]) -> None:
+    _resting[id(model)] = slots
+    _patch_variables()
+    weakref.finalize(model, _forget_resting, id(model), slots)
+
+
+def _forget_resting(key: int, slots: list[Any]) -> None:
+    if _resting.get(key) is slots:
+        del _resting[key]
+        _unpatch_variables()
+
+
+def take_resting(model: Any) -> list[Any]:
+    """The slots `model`'s last run left split, no longer resting (a run takes
+    them over, or they are gathered next)."""
+    slots = _resting.pop(id(model), None)
+    if slots is None:
+        return []
+    _unpatch_variables()
+    return slots
+
+
+def gather_resting(model: Any) -> None:
+    """Gather back into whole tensors the optimizer state a run of `model`
+    left split (collective; nothing when none is)."""
+    for slot in take_resting(model):
+        _gather(slot)
+
+
 class ShardedRun:
     """One model's variables sharded as DTensors, from `start()` to `stop()`.
 
@@ -252,7 +392,12 @@ class ShardedRun:
             planned.setdefault(id(variable), (variable, layout.axes))
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and model.trainable_weights and not optimizer.built:
-            optimizer.build(model.trainable_weights)
+            # Each slot is split as soon as it is made (`split_when_made`).
+            def split(reference: Any, slot: Any) -> None:
+                split_slot(distribution, reference, slot)
+
+            with each_new_slot(optimizer, split):
+                optimizer.build(model.trainable_weights)
         if optimizer is not None and optimizer.built:
             owners = slot_owners(optimizer, model.trainable_weights)
             for slot in optimizer.variables:
@@ -260,6 +405,9 @@ class ShardedRun:
                 if owner is not None and id(owner) in planned:
                     planned.setdefault(id(slot), (slot, planned[id(owner)][1]))
         return list(planned.values())
+
+    def _distribute(self, variable: Any, where: Any) -> Any:
+        return _distribute(variable, self.mesh, where)
 
     def _plain_optimizer_variables(self) -> list[Any]:
         optimizer = getattr(self.model, "optimizer", None)
@@ -270,16 +418,21 @@ class ShardedRun:
 
     def start(self) -> ShardedRun:
         axis_names = list(self.distribution.device_mesh.axis_names)
+        # Slots split when made, or left split by the last run: taken as they
+        # are when laid out as this run lays them out, else gathered first.
+        take_resting(self.model)
         with torch.no_grad():
             for variable, axes in self._planned():
-                value = internals.variable_storage(variable)
-                sharded = distribute_tensor(
-                    value.detach(), self.mesh, placements(axes, axis_names)
-                )
-                parameter = torch.nn.Parameter(
-                    sharded, requires_grad=value.requires_grad
-                )
-                internals.set_variable_storage(variable, parameter)
+                where = placements(axes, axis_names)
+                parameter = internals.variable_storage(variable)
+                if isinstance(parameter, DTensor) and (
+                    parameter.device_mesh != self.mesh
+                    or tuple(parameter.placements) != tuple(where)
+                ):
+                    _gather(variable)
+                    parameter = internals.variable_storage(variable)
+                if not isinstance(parameter, DTensor):
+                    parameter = self._distribute(variable, where)
                 self._variables.append(variable)
                 self._values[id(variable)] = parameter
             # The optimizer's scalars (iterations...) start as process 0's too.
@@ -313,21 +466,33 @@ class ShardedRun:
         return self
 
     def stop(self) -> None:
-        """Gather every variable back into a plain, full tensor (collective)."""
+        """Gather every variable back into a plain, full tensor (collective);
+        with `FSDP(keep_optimizer_sharded=True)` the optimizer's slots stay
+        split (`_resting`)."""
+        optimizer = getattr(self.model, "optimizer", None)
+        resting: list[Any] = []
+        if getattr(self.distribution, "keep_optimizer_sharded", False) and (
+            optimizer is not None and optimizer.built
+        ):
+            slots = {id(variable) for variable in optimizer.variables}
+            resting = [v for v in self._variables if id(v) in slots]
+        if resting:
+            _rest(self.model, resting)
         _unpatch_variables()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
         with torch.no_grad():
+            # The last step's gradients go first: the whole values are then
+            # gathered next to the parts only.
+            for value in self._values.values():
+                value.grad = None
+            if self._plain is not None:
+                self._plain.release_locals()
+            kept = {id(variable) for variable in resting}
             for variable in self._variables:
-                value = internals.variable_storage(variable)
-                if isinstance(value, DTensor):
-                    internals.set_variable_storage(
-                        variable,
-                        torch.nn.Parameter(
-                            value.full_tensor(), requires_grad=value.requires_grad
-                        ),
-                    )
+                if id(variable) not in kept:
+                    _gather(variable)
         self._variables.clear()
         self._values.clear()
         self._plain = None
