@@ -73,7 +73,8 @@ LAYERS = [
     ),
     (
         "cluster/",
-        "stdlib only: environments, launcher, hang_doctor, job_dir, roll_call, rendezvous",
+        "stdlib only: environments, launcher, hang_doctor, job_dir, roll_call, "
+        "rendezvous",
         "floor",
     ),
 ]
