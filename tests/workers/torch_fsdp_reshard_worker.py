@@ -156,9 +156,7 @@ def optimizer_state(x: np.ndarray, y: np.ndarray, directory: pathlib.Path) -> di
         fit = dict(batch_size=8, shuffle=False, verbose=0)
         model.fit(x, y, callbacks=callbacks, **fit)
         slots = [v for v in model.optimizer.variables if len(v.shape) > 0]
-        seen[f"{name}_split_after_fit"] = [
-            isinstance(v._value, DTensor) for v in slots
-        ]
+        seen[f"{name}_split_after_fit"] = [isinstance(v._value, DTensor) for v in slots]
         seen[f"{name}_weights_split_after_fit"] = any(
             isinstance(v._value, DTensor) for v in model.weights
         )
