@@ -86,12 +86,19 @@ class Entry:
 ENTRIES: dict[str, Entry] = {
     entry.name: entry
     for entry in (
-        Entry(
-            name="jax_data_parallel",
-            backend="jax",
-            description="DataParallel, 8 simulated CPU devices: "
-            "kd.DistributeCallback vs keras.distribution.DataParallel",
-            timeout_s=300.0,
+        *(
+            Entry(
+                name="jax_data_parallel"
+                if devices == 8
+                else f"jax_data_parallel_{devices}",
+                backend="jax",
+                description=f"DataParallel, {devices} simulated CPU devices: "
+                "kd.DistributeCallback vs keras.distribution.DataParallel",
+                cpu_devices=devices,
+                timeout_s=300.0,
+                script_name="jax_data_parallel",
+            )
+            for devices in (8, 4, 2)
         ),
         Entry(
             name="torch_ddp",
@@ -104,14 +111,42 @@ ENTRIES: dict[str, Entry] = {
             # At least 0.9 of the hand-written loop's samples/s.
             target=round(1 / 0.9, 3),
         ),
-        Entry(
-            name="tf_mirrored",
-            backend="tensorflow",
-            description="DataParallel, 4 logical CPU devices: "
-            "kd.DistributeCallback vs a raw MirroredStrategy fit",
-            cpu_devices=4,
-            timeout_s=600.0,
-            target=1.05,
+        *(
+            Entry(
+                name="tf_mirrored" if devices == 4 else f"tf_mirrored_{devices}",
+                backend="tensorflow",
+                description=f"DataParallel, {devices} logical CPU devices: "
+                "kd.DistributeCallback vs a raw MirroredStrategy fit",
+                cpu_devices=devices,
+                timeout_s=600.0,
+                target=1.05,
+                script_name="tf_mirrored",
+            )
+            for devices in (4, 2, 8)
+        ),
+        *(
+            Entry(
+                name="torch_ddp_mlp"
+                if processes == 2
+                else f"torch_ddp_mlp_{processes}",
+                backend="torch",
+                description=f"DistributedDataParallel, {processes} process(es) (gloo, "
+                "CPU), the shared MLP: fit + kd.DistributeCallback vs the guide's "
+                "hand-written loop (one process: also plain Keras' fit)",
+                cpu_devices=None,
+                launcher=(
+                    "-m",
+                    "keras_dist",
+                    "launch",
+                    "--nproc-per-node",
+                    str(processes),
+                ),  # fmt: skip
+                timeout_s=600.0,
+                target=round(1 / 0.9, 3),
+                script_name="torch_ddp_mlp",
+                references=("plain_keras",),
+            )
+            for processes in (2, 1, 4)
         ),
         *(
             Entry(

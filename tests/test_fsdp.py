@@ -142,3 +142,111 @@ def test_tensorflow_refuses_fsdp_clearly():
             callbacks=[kd.DistributeCallback(kd.FSDP(min_size=0))],
         )
     assert np.isfinite(model.evaluate(x, y, verbose=0)[0])
+
+
+def _most_extra_on_one_device(build) -> tuple[int, int]:
+    """While `build()` runs: the most bytes of live arrays one device held
+    beyond the device holding least, over what that gap was before (read
+    before and after every Keras variable assignment or initialization and
+    every `jax.device_put`), and how many reads there were."""
+    import jax
+
+    from keras_dist.keras_compat.backend import variable_class
+
+    def gap() -> int:
+        held = dict.fromkeys(jax.devices(), 0)
+        for array in jax.live_arrays():
+            for shard in array.addressable_shards:
+                held[shard.device] += shard.data.nbytes
+        return max(held.values()) - min(held.values())
+
+    start = gap()
+    most, reads = [0], [0]
+
+    def look() -> None:
+        reads[0] += 1
+        most[0] = max(most[0], gap() - start)
+
+    def around(function):
+        def call(*args, **kwargs):
+            look()
+            result = function(*args, **kwargs)
+            look()
+            return result
+
+        return call
+
+    variable = variable_class("jax")
+    originals = {
+        name: getattr(variable, name)
+        for name in ("_direct_assign", "_initialize_with_initializer")
+    }
+    device_put = jax.device_put
+    try:
+        for name, function in originals.items():
+            setattr(variable, name, around(function))
+        jax.device_put = around(device_put)
+        build()
+    finally:
+        for name, function in originals.items():
+            setattr(variable, name, function)
+        jax.device_put = device_put
+    return most[0], reads[0]
+
+
+@pytest.mark.backend("jax")
+def test_variables_made_under_fsdp_are_never_whole_on_one_device():
+    def model():
+        return keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(256)]
+        )
+
+    kernel_bytes = 256 * 256 * 4
+    distribution = kd.FSDP(min_size=0)
+    with distribution.scope():
+        ours, reads = _most_extra_on_one_device(model)
+    # The control: Keras' own ModelParallel with the same layouts computes each
+    # variable below 250 MiB whole on one device, then splits it.
+    layout_map = keras.distribution.LayoutMap(distribution.device_mesh)
+    layout_map["dense.*kernel"] = ("batch", None)
+    layout_map["dense.*bias"] = ("batch",)
+    keras_own = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+    with keras_own.scope():
+        theirs, their_reads = _most_extra_on_one_device(model)
+    assert reads > 0 and their_reads > 0
+    assert theirs >= kernel_bytes // 2, theirs  # a whole kernel on one device
+    assert ours < kernel_bytes // 8, ours  # at most a part, never a whole one
+
+
+@pytest.mark.backend("jax")
+def test_adam_slots_keras_builds_in_fit_are_split_as_each_is_made():
+    # Built before the distribution: Keras' fit builds Adam before the run
+    # starts; each slot is laid out as it is made, so the slots are never all
+    # whole on one device together (Adam's whole state: 2 x the weights).
+    model = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(256)]
+    )
+    model.compile(optimizer="adam", loss="mse")
+    build, seen = model.optimizer.build, []
+
+    def measured_build(variables):
+        seen.append(_most_extra_on_one_device(lambda: build(variables)))
+
+    model.optimizer.build = measured_build
+    x = np.zeros((8, 64), "float32")
+    model.fit(
+        x,
+        np.zeros((8, 256), "float32"),
+        batch_size=8,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(kd.FSDP(min_size=0))],
+    )
+    adam_bytes = 2 * 4 * model.count_params()  # 657,408
+    largest_slot = 256 * 256 * 4
+    ((most, reads),) = seen
+    assert reads > 0
+    # One whole slot at a time, plus the parts: about 0.5 of Adam's whole
+    # state here (1.0 when the slots were built whole and split at the start).
+    assert most < largest_slot + adam_bytes // 4, (most, adam_bytes)

@@ -22,6 +22,8 @@ KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 PYTHONPATH=. \
 
 from __future__ import annotations
 
+import os
+
 # keras_dist first: importing it applies KERAS_DIST_CPU_DEVICES before JAX starts.
 import keras_dist as kd  # isort: skip
 
@@ -43,7 +45,9 @@ from benchmarks.mlp import (
     synthetic_data,
 )
 
-DEVICES = 8
+# The runner's KERAS_DIST_CPU_DEVICES (8 by default; `scaling.py` also runs
+# other counts: one entry per count in `run.py`).
+DEVICES = int(os.environ.get("KERAS_DIST_CPU_DEVICES") or 8)
 
 
 def main() -> None:
@@ -87,7 +91,7 @@ def main() -> None:
         warmup_steps=args.warmup_steps,
     )
     report(
-        "jax_data_parallel",
+        "jax_data_parallel" if DEVICES == 8 else f"jax_data_parallel_{DEVICES}",
         args,
         devices=DEVICES,
         global_batch=GLOBAL_BATCH,

@@ -20,6 +20,8 @@ KERAS_BACKEND=tensorflow KERAS_DIST_CPU_DEVICES=4 PYTHONPATH=. \
 
 from __future__ import annotations
 
+import os
+
 # keras_dist first: importing it creates the logical devices before TF starts.
 import keras_dist as kd  # isort: skip
 import keras_dist.backends  # isort: skip
@@ -41,7 +43,9 @@ from benchmarks.mlp import (
     synthetic_data,
 )
 
-DEVICES = 4
+# The runner's KERAS_DIST_CPU_DEVICES (4 by default; `scaling.py` also runs
+# other counts: one entry per count in `run.py`).
+DEVICES = int(os.environ.get("KERAS_DIST_CPU_DEVICES") or 4)
 
 
 def replicas_of(model: keras.Model) -> int:
@@ -92,7 +96,7 @@ def main() -> None:
         warmup_steps=args.warmup_steps,
     )
     report(
-        "tf_mirrored",
+        "tf_mirrored" if DEVICES == 4 else f"tf_mirrored_{DEVICES}",
         args,
         devices=DEVICES,
         global_batch=GLOBAL_BATCH,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from keras_dist.backends.jax.input_adapter import (
 )
 from keras_dist.common.batch_norm import GlobalBatchNorm
 from keras_dist.common.random_streams import take_process_zero_streams
-from keras_dist.keras_compat.optimizers import slot_owners
+from keras_dist.keras_compat.optimizers import each_new_slot, slot_owners
 
 # JAX's sharding-plus-memory-layout object (`Layout` in older releases).
 _JaxFormat = getattr(jax_layout, "Format", None) or jax_layout.Layout
@@ -276,6 +277,32 @@ class JaxAdapter(BackendAdapter):
         host = _host_copy_for_one_local_device(tensor, sharding)
         return jax.device_put(tensor if host is None else host, sharding)
 
+    def call_starting(self, model: Any, name: str, distribution: Any) -> Any:
+        """Keras builds the optimizer before the call's run starts: with
+        layouts that split variables each slot is laid out as the variable
+        it mirrors the moment Keras makes it (`each_new_slot`), so the
+        optimizer's state is never all whole on one device (Adam's: twice
+        the model)."""
+        optimizer = getattr(model, "optimizer", None)
+        if (
+            not isinstance(distribution, keras.distribution.ModelParallel)
+            or optimizer is None
+            or optimizer.built
+        ):
+            return contextlib.nullcontext()
+
+        def made(reference: Any, slot: Any) -> None:
+            layout = distribution.layout_for_variable(reference)
+            if all(axis is None for axis in layout.axes):
+                return
+            try:
+                _check_layout_divides(slot, layout)
+            except ValueError:
+                return  # the run's start refuses it, with the whole plan
+            internals.relayout_variable(slot, layout)
+
+        return each_new_slot(optimizer, made)
+
     def activate(self, model: Any, distribution: Any) -> None:
         planned = _layouts_for(model, distribution)
         # Before anything moves: a failed move would leave the model half laid
@@ -472,6 +499,11 @@ def _built_shard_by_shard(variable: Any, value: Any, layout: Any) -> Any:
 
 
 internals.install_batch_routing()
+# Variables made under keras_dist's policies are made split (never whole on one
+# device first).
+internals.split_variables_at_creation(
+    lambda distribution: getattr(distribution, "lays_out_variables_itself", False)
+)
 internals.read_variables_through(_gathered)
 internals.place_tensors_through(_host_copy_for_one_local_device)
 internals.assign_host_values_through(_built_shard_by_shard)

@@ -100,6 +100,7 @@ def check() -> list[str]:
     for name in ("_flatten_y", "_flat_metrics", "_flat_weighted_metrics", "built"):
         if compiled is None or not hasattr(compiled, name):
             missing.append(f"CompileMetrics.{name}")
+    missing += _check_split_at_creation()
     return missing
 
 
@@ -184,6 +185,52 @@ def place_tensors_through(prepare: Callable[[Any, Any], Any]) -> None:
 
     distribute_tensor._keras_dist_original = original  # type: ignore[attr-defined]
     jax_distribution_lib.distribute_tensor = distribute_tensor
+
+
+_jax_core = keras_backends.ops_module("jax")
+
+
+def split_variables_at_creation(ours: Callable[[Any], bool]) -> None:
+    """Under a global distribution that `ours` accepts (keras_dist's), a Keras
+    JAX variable whose layout splits it is created split, whatever its size:
+    Keras jits its initializer with the layout as the output sharding, so each
+    device computes its own part only. Keras itself does that from 250 MiB
+    (times the device count) up (`should_shard_at_init`); below, it computes
+    the whole value on one device and splits it after, one whole copy of each
+    variable on that device on the way. Idempotent."""
+    current = _jax_core.should_shard_at_init
+    original = getattr(current, "_keras_dist_original", current)
+
+    def should_shard_at_init(init_layout: Any, shape: Any) -> bool:
+        if ours(keras.distribution.distribution()) and _splits(init_layout):
+            return True
+        return original(init_layout, shape)
+
+    should_shard_at_init._keras_dist_original = original  # type: ignore[attr-defined]
+    _jax_core.should_shard_at_init = should_shard_at_init
+
+
+def _splits(sharding: Any) -> bool:
+    """Whether a `NamedSharding` splits along a mesh axis of size > 1."""
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is None or mesh is None:
+        return False
+    sizes = dict(mesh.shape)
+    for entry in spec:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if any(name is not None and sizes.get(name, 1) > 1 for name in names):
+            return True
+    return False
+
+
+def _check_split_at_creation() -> list[str]:
+    function = getattr(_jax_core, "should_shard_at_init", None)
+    initialize = getattr(JaxVariable, "_initialize_with_initializer", None)
+    if function is None or initialize is None:
+        return [f"{_jax_core.__name__}.should_shard_at_init"]
+    if "should_shard_at_init" not in inspect.getsource(initialize):
+        return ["JaxVariable._initialize_with_initializer calls should_shard_at_init"]
+    return []
 
 
 _original_variable_assign = JaxVariable.assign
@@ -403,5 +450,6 @@ __all__ = [
     "relayout_variable",
     "remove_steps",
     "route_batches",
+    "split_variables_at_creation",
     "unroute_batches",
 ]

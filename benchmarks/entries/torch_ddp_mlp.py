@@ -1,0 +1,163 @@
+"""PyTorch DDP on the shared MLP: keras_dist's `fit` against a hand-written loop.
+
+The model and data of the JAX and TensorFlow data-parallel entries
+(`benchmarks/mlp.py`: MLP 256-512-512-10, Adam, global batch 512), in as many
+processes as the launcher starts (one CPU device each, gloo), taking turns:
+
+- `keras_dist`: `model.fit(x, y, batch_size=512, callbacks=[
+  kd.DistributeCallback(kd.DataParallel())])`: DDP, each process its share of
+  every global batch, global logs (the loss and accuracy states all-reduced).
+- `torch_loop`: the keras.io guide's loop on the same Keras model (the same
+  seed): a `DistributedSampler` and a `DataLoader` (per-process batch 512 / N),
+  the model wrapped in `DistributedDataParallel` once and called directly,
+  `torch.optim.Adam` with Keras' learning rate and epsilon,
+  `torch.nn.CrossEntropyLoss`, `loss.item()` every step (the baseline).
+- on one process also `plain_keras`: the same `fit` without keras_dist, so
+  that the two parts of keras_dist's gap stay visible (Keras' own per-step
+  work: `plain_keras` / `torch_loop`; keras_dist's: `keras_dist` /
+  `plain_keras`). With one process the loop has no DDP and keras_dist wraps
+  nothing.
+
+The keras_dist fit also computes the accuracy metric the model was compiled
+with; the loop does not (it is what users write). Each process uses one torch
+thread. `benchmarks/scaling.py` runs this entry for 1, 2 and 4 processes
+beside the JAX and TensorFlow entries for 2, 4 and 8 devices.
+
+```shell
+KERAS_BACKEND=torch PYTHONPATH=. python -m keras_dist launch --nproc-per-node 2 \
+    benchmarks/entries/torch_ddp_mlp.py --repeats 3
+```
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras_dist as kd  # noqa: E402  (joins the job before anything else)
+
+kd.initialize()
+
+import torch  # noqa: E402
+import torch.distributed as torch_distributed  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+
+from benchmarks.harness import (  # noqa: E402
+    Candidate,
+    entry_arguments,
+    report,
+    run_interleaved,
+)
+from benchmarks.mlp import (  # noqa: E402
+    GLOBAL_BATCH,
+    build_model,
+    describe,
+    fit_steps,
+    synthetic_data,
+)
+
+
+class _History:
+    """What the harness reads from a `fit`'s return value."""
+
+    def __init__(self, loss: float):
+        self.history = {"loss": [loss]}
+
+
+def main() -> None:
+    args = entry_arguments(__doc__.splitlines()[0])
+    torch.set_num_threads(1)
+    world_size, rank = kd.num_processes(), kd.process_id()
+    if GLOBAL_BATCH % world_size:
+        raise ValueError(
+            f"The global batch {GLOBAL_BATCH} must split evenly over the "
+            f"processes. Received: {world_size} processes"
+        )
+    x, y = synthetic_data(max(args.steps, args.warmup_steps) * GLOBAL_BATCH)
+
+    kd_model = build_model()
+    fit_kd = fit_steps(
+        kd_model, x, y, lambda: [kd.DistributeCallback(kd.DataParallel())]
+    )
+
+    loop_model = build_model()
+    optimizer_config = loop_model.optimizer
+    forward = DistributedDataParallel(loop_model) if world_size > 1 else loop_model
+    optimizer = torch.optim.Adam(
+        loop_model.parameters(),
+        lr=float(optimizer_config.learning_rate),
+        eps=optimizer_config.epsilon,
+    )
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x_torch, y_torch = torch.from_numpy(x), torch.from_numpy(y).long()
+
+    def fit_loop(steps: int, callbacks: list) -> _History:
+        rows = steps * GLOBAL_BATCH
+        dataset = TensorDataset(x_torch[:rows], y_torch[:rows])
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=False
+        )
+        loader = DataLoader(
+            dataset, sampler=sampler, batch_size=GLOBAL_BATCH // world_size
+        )
+        for callback in callbacks:
+            callback.on_train_begin()
+        running_loss = 0.0
+        for step, (inputs, targets) in enumerate(loader):
+            loss = loss_fn(forward(inputs), targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            running_loss += loss.item()
+            for callback in callbacks:
+                callback.on_train_batch_end(step)
+        total = torch.tensor([running_loss / steps], dtype=torch.float64)
+        if world_size > 1:
+            torch_distributed.all_reduce(total)
+        return _History(float(total.item()) / world_size)
+
+    candidates = [
+        Candidate(
+            "keras_dist", "fit + kd.DistributeCallback(kd.DataParallel())", fit_kd
+        ),
+        Candidate(
+            "torch_loop",
+            "guide's loop: DistributedSampler + DataLoader, DDP, torch Adam",
+            fit_loop,
+        ),
+    ]
+    if world_size == 1:
+        plain_model = build_model()
+        candidates.append(
+            Candidate("plain_keras", "fit, no keras_dist", fit_steps(plain_model, x, y))
+        )
+    timings = run_interleaved(
+        candidates,
+        repeats=args.repeats,
+        steps=args.steps,
+        skip_steps=args.skip_steps,
+        warmup_steps=args.warmup_steps,
+        log=None if rank == 0 else (lambda message: None),  # process 0 reports
+    )
+    if rank != 0:
+        return
+    report(
+        "torch_ddp_mlp" if world_size == 2 else f"torch_ddp_mlp_{world_size}",
+        args,
+        devices=world_size,
+        global_batch=GLOBAL_BATCH,
+        model=describe(kd_model),
+        baseline="torch_loop",
+        devices_used={},
+        **timings,
+    )
+
+
+if __name__ == "__main__":
+    main()
+    if torch_distributed.is_initialized():
+        # Left open, gloo's threads now and then abort the interpreter's shutdown.
+        torch_distributed.destroy_process_group()
