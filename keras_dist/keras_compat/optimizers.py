@@ -1,5 +1,5 @@
-"""Keras' optimizer slots: which model variable each one mirrors, and the
-moment each one is made."""
+"""Keras' optimizers: which model variable each slot mirrors, the moment each
+slot is made, and the update run in pieces."""
 
 from __future__ import annotations
 
@@ -57,8 +57,87 @@ def each_new_slot(optimizer: Any, made: Callable[[Any, Any], None]) -> Iterator[
             optimizer.add_variable_from_reference = own
 
 
+@contextlib.contextmanager
+def update_in_pieces(
+    optimizer: Any, most_bytes: int, size_of: Callable[[Any], int]
+) -> Iterator[None]:
+    """While the block runs, the optimizer's backend update
+    (`BaseOptimizer._backend_update_step`: Keras' torch optimizers update all
+    variables in one set of `torch._foreach_*` ops, whose temporaries are each
+    as large as all the variables together) is called once per group of
+    variables of at most `most_bytes` (`size_of(variable)` each; a larger
+    variable is a group of its own). Each element is computed exactly as in
+    one call (the ops are elementwise; the iteration count moves only after
+    `apply`), so only the temporaries' peak changes: from a few times the
+    process' share of the model to a few times one group."""
+    # One set on the instance before (by a user, or another hook) comes back.
+    own = vars(optimizer).get("_backend_update_step")
+    original = optimizer._backend_update_step
+
+    def in_pieces(grads: Any, variables: Any, learning_rate: Any) -> None:
+        grads, variables = list(grads), list(variables)
+        start, size = 0, 0
+        for index, variable in enumerate(variables):
+            nbytes = size_of(variable)
+            if index > start and size + nbytes > most_bytes:
+                original(grads[start:index], variables[start:index], learning_rate)
+                start, size = index, 0
+            size += nbytes
+        if start < len(variables):
+            original(grads[start:], variables[start:], learning_rate)
+
+    optimizer._backend_update_step = in_pieces
+    try:
+        yield
+    finally:
+        if own is None:
+            del optimizer._backend_update_step  # the class' method again
+        else:
+            optimizer._backend_update_step = own
+
+
+def _check_update_in_pieces() -> list[str]:
+    import keras  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: PLC0415
+
+    if "_backend_update_step" not in BaseOptimizer.__dict__:
+        return ["BaseOptimizer._backend_update_step"]
+
+    def fresh() -> list[Any]:
+        return [keras.Variable(np.ones(n, "float32")) for n in (3, 2)]
+
+    variables, copies = fresh(), fresh()
+    whole, pieces = keras.optimizers.Adam(0.1), keras.optimizers.Adam(0.1)
+    grads = [
+        keras.ops.convert_to_tensor(np.full((3,), 0.5, "float32")),
+        keras.ops.convert_to_tensor(np.full((2,), -0.25, "float32")),
+    ]
+    whole.apply(grads, variables)
+    calls = []
+    backend_update = pieces._backend_update_step
+
+    def counted(*args: Any) -> None:
+        calls.append(len(args[1]))
+        backend_update(*args)
+
+    pieces._backend_update_step = counted
+    with update_in_pieces(pieces, 1, lambda variable: 4 * int(np.prod(variable.shape))):
+        pieces.apply(grads, copies)
+    if (
+        calls != [1, 1]
+        or any(
+            not np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(variables, copies, strict=True)
+        )
+        or np.array_equal(np.asarray(variables[0]), np.ones(3))
+    ):
+        return ["BaseOptimizer._backend_update_step (called once per apply, on lists)"]
+    return []
+
+
 def check() -> list[str]:
-    """What `slot_owners` and `each_new_slot` need."""
+    """What `slot_owners`, `each_new_slot` and `update_in_pieces` need."""
     import keras  # noqa: PLC0415
 
     dense = keras.layers.Dense(2, name="probe")
@@ -76,4 +155,4 @@ def check() -> list[str]:
         missing.append(
             "Optimizer.build makes its slots through self.add_variable_from_reference"
         )
-    return missing
+    return missing + _check_update_in_pieces()

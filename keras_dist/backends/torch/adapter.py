@@ -63,11 +63,12 @@ def _dtensor() -> Any:
 
 
 def _gather_resting(model: Any) -> None:
-    """Gather the optimizer state a run left split (`dtensor.gather_resting`);
-    nothing, and no import, when no run ever split one."""
-    dtensor = sys.modules.get("keras_dist.backends.torch.dtensor")
-    if dtensor is not None:
-        dtensor.gather_resting(model)
+    """Gather the optimizer state a run left split
+    (`split_state.gather_resting`); nothing, and no import, when no run ever
+    split one."""
+    split_state = sys.modules.get("keras_dist.backends.torch.split_state")
+    if split_state is not None:
+        split_state.gather_resting(model)
 
 
 def _placements() -> Any:
@@ -472,7 +473,7 @@ class TorchAdapter(BackendAdapter):
     def call_starting(self, model: Any, name: str, distribution: Any) -> Any:
         """Keras builds the optimizer before the call's run starts: with
         sharded variables its slots are split as they are made
-        (`dtensor.split_when_made`), never held whole. A `fit` without
+        (`split_state.split_when_made`), never held whole. A `fit` without
         sharded variables first gathers the optimizer state a run left split
         (`FSDP(keep_optimizer_sharded=True)`); `evaluate` and `predict` do
         not read it."""
@@ -485,7 +486,9 @@ class TorchAdapter(BackendAdapter):
             or torch_distributed.get_world_size() == 1
         ):
             return contextlib.nullcontext()
-        return _dtensor().split_when_made(model, distribution)
+        from keras_dist.backends.torch import split_state  # noqa: PLC0415 (see _dtensor)
+
+        return split_state.split_when_made(model, distribution)
 
     def _activate(self, model: Any, distribution: Any) -> None:
         dtensors = self._check_layouts(model, distribution)

@@ -399,7 +399,7 @@ def assign_arrays(state: dict[str, Any], arrays: dict[str, Any]) -> None:
         variable, value = state[key], np.asarray(arrays[key])
         _check_shape(key, variable, value.shape)
         # Under ModelParallel each process keeps its part of the full value
-        # (`dtensor._as_placed`); DDP replicas each take all of it.
+        # (`split_state._as_placed`); DDP replicas each take all of it.
         if key in per_process:
             value = _local_metric_value(variable, value)
         variable.assign(value)

@@ -28,13 +28,13 @@ the next distributed call shards it again. While a call runs, `np.asarray` of a
 sharded variable (`get_weights()`, checkpoints in callbacks) gathers its full
 value, which is collective: every process must do it, as keras_dist's
 callbacks do. With `FSDP(keep_optimizer_sharded=True)` the optimizer's slots
-stay split between calls (`_resting`): reading one gathers it (collective),
+stay split between calls (`split_state`): reading one gathers it (collective),
 the next run under the same layouts takes them as they are, and a `fit`
 without sharded variables gathers them first.
 
 Memory as FSDP2's: the optimizer slots that Keras builds during a call are
-split as each is made (`split_when_made`, `split_slot`), never all whole; a
-value a variable no longer holds is freed at once (`_free`), not when the
+split as each is made (`split_state.split_when_made`), never all whole; a
+value a variable no longer holds is freed at once (`split_state.free`), not when the
 layers let go of it (the whole model next to its parts); the last step's
 gradients are dropped before the end of a call gathers; and in plain compute
 the optimizer updates its parts in a few groups (`update_in_pieces`), so
@@ -57,12 +57,10 @@ from __future__ import annotations
 import contextlib
 import linecache
 import re
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
-import numpy as np
 import torch
 import torch.distributed as torch_distributed
 from torch.distributed.tensor import (
@@ -71,7 +69,6 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_dist.backends.torch import keras_internals as internals
@@ -79,83 +76,25 @@ from keras_dist.backends.torch.fsdp_compute import to_full
 from keras_dist.backends.torch.fsdp_plain import (
     PlainCompute,
     plain_compute_group,
-    read_variable,
 )
 from keras_dist.backends.torch.placements import (
     device_type,
-    is_sharded,
     placements,
     torch_mesh,
+)
+from keras_dist.backends.torch.split_state import (
+    distribute,
+    gather,
+    patch_variables,
+    rest,
+    split_slot,
+    take_resting,
+    unpatch_variables,
 )
 from keras_dist.keras_compat.layers import layers_of
 from keras_dist.keras_compat.optimizers import each_new_slot, slot_owners
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-# -- while a run is active, variables read and assign like plain ones ----------
-# `np.asarray(variable)` (get_weights, checkpoints) gathers a DTensor, and
-# assigning a plain value (set_weights, load_weights, EarlyStopping's restore)
-# keeps this process' part of it. One set of patches for all active runs.
-_variable_patches: list[Callable[[], None]] = []
-
-
-def _as_placed(current: Any, value: Any) -> Any:
-    """`value` laid out like `current` when that is a DTensor: every process
-    holds the whole value, so each keeps its part (no communication).
-
-    The part is cut where the value is (a NumPy value from `load_weights`, a
-    checkpoint read whole: on the host) and only the part moves to this
-    process' device, never the whole value (keras#21712)."""
-    if not isinstance(current, DTensor) or isinstance(value, DTensor):
-        return value
-    if tuple(np.shape(value)) != tuple(current.shape):
-        return value  # Keras names the wrong shape
-    local_shape, offset = compute_local_shape_and_global_offset(
-        current.shape, current.device_mesh, current.placements
-    )
-    index = tuple(
-        slice(start, start + size)
-        for start, size in zip(offset, local_shape, strict=True)
-    )
-    local = current.to_local()
-    if isinstance(value, np.ndarray):
-        # Keras' conversion: NumPy's bfloat16 and uint32, which torch lacks.
-        part = keras.ops.convert_to_tensor(value[index])
-    else:
-        part = torch.as_tensor(value)[index]
-    part = part.to(device=local.device, dtype=local.dtype).contiguous()
-    return DTensor.from_local(
-        part,
-        current.device_mesh,
-        current.placements,
-        run_check=False,
-        shape=current.shape,
-        stride=current.stride(),
-    )
-
-
-def _patch_variables() -> None:
-    if not _variable_patches:
-        undo_read = internals.convert_variables_to_numpy_via(to_full)
-        undo_write = internals.assign_variables_via(_as_placed)
-        undo_value = internals.read_variables_via(read_variable)
-
-        def undo() -> None:
-            undo_value()
-            undo_write()
-            undo_read()
-
-        _variable_patches.append(undo)
-    else:
-        _variable_patches.append(_variable_patches[-1])
-
-
-def _unpatch_variables() -> None:
-    if _variable_patches:
-        undo = _variable_patches.pop()
-        if not _variable_patches:
-            undo()
 
 
 # -- failures ------------------------------------------------------------------
@@ -207,129 +146,6 @@ def _attention_kernels() -> contextlib.AbstractContextManager:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(SDPBackend.MATH)
-
-
-def _distribute(variable: Any, mesh: Any, where: Any) -> Any:
-    """Make `variable` hold its part of process 0's value, as a DTensor
-    Parameter with the placements `where`; returns it."""
-    value = internals.variable_storage(variable)
-    with torch.no_grad():
-        sharded = distribute_tensor(value.detach(), mesh, where)
-    parameter = torch.nn.Parameter(sharded, requires_grad=value.requires_grad)
-    internals.set_variable_storage(variable, parameter)
-    _free(value, parameter)
-    return parameter
-
-
-def _free(replaced: Any, kept: Any) -> None:
-    """Free the memory of a value a variable no longer holds, now: the layers
-    list the old Parameter until `retrack_parameters`, which would keep every
-    replaced value alive until the last one is replaced (the whole model next
-    to its parts). Its storage is emptied (`resize_(0)`, as FSDP2 frees what
-    it gathered) unless `kept`, the new value, shares it (a replicated
-    placement) or it is not torch's to resize (memory lent by numpy)."""
-    storage = _local(replaced).untyped_storage()
-    if (
-        storage.data_ptr() != _local(kept).untyped_storage().data_ptr()
-        and storage.resizable()
-    ):
-        storage.resize_(0)
-
-
-def _local(value: Any) -> Any:
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
-def split_slot(distribution: Any, reference: Any, slot: Any) -> bool:
-    """Split an optimizer slot just made for `reference` as the distribution
-    lays `reference` out, when that layout shards it; whether it did. Each
-    slot is split before the next is made, so the optimizer's state is never
-    held whole (Adam's: 8 bytes a parameter); a `ShardedRun` takes the split
-    slots over as they are."""
-    layout = distribution.layout_for_variable(reference)
-    if not is_sharded(layout) or isinstance(internals.variable_storage(slot), DTensor):
-        return False
-    mesh = torch_mesh(distribution.device_mesh)
-    _distribute(
-        slot, mesh, placements(layout.axes, list(distribution.device_mesh.axis_names))
-    )
-    return True
-
-
-@contextlib.contextmanager
-def split_when_made(model: Any, distribution: Any) -> Iterator[None]:
-    """Around a Keras call under `distribution` (`BackendAdapter.call_starting`):
-    the slots Keras' own build makes for the model's optimizer, before the
-    call's run starts, are split when made (`split_slot`). A slot still split
-    when the call ends (its run never started: the call failed first) is
-    gathered back into a plain tensor, as a run's end does, unless the run
-    left it split on purpose (`_resting`)."""
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or optimizer.built:
-        yield
-        return
-    split: list[Any] = []
-
-    def made(reference: Any, slot: Any) -> None:
-        if split_slot(distribution, reference, slot):
-            split.append(slot)
-
-    try:
-        with each_new_slot(optimizer, made):
-            yield
-    finally:
-        resting = {id(slot) for slot in _resting.get(id(model), ())}
-        for slot in split:
-            if id(slot) not in resting:
-                _gather(slot)
-
-
-# -- the optimizer's state kept split between calls --------------------------------
-# `FSDP(keep_optimizer_sharded=True)`: id(model) -> the slots its last run left
-# split. While any are, the variable patches stay on (reading one gathers it,
-# assigning one keeps this process' part).
-_resting: dict[int, list[Any]] = {}
-
-
-def _gather(variable: Any) -> None:
-    """Make a DTensor variable hold its whole value again (collective)."""
-    value = internals.variable_storage(variable)
-    if isinstance(value, DTensor):
-        with torch.no_grad():
-            full = torch.nn.Parameter(
-                value.full_tensor(), requires_grad=value.requires_grad
-            )
-        internals.set_variable_storage(variable, full)
-        _free(value, full)
-
-
-def _rest(model: Any, slots: list[Any]) -> None:
-    _resting[id(model)] = slots
-    _patch_variables()
-    weakref.finalize(model, _forget_resting, id(model), slots)
-
-
-def _forget_resting(key: int, slots: list[Any]) -> None:
-    if _resting.get(key) is slots:
-        del _resting[key]
-        _unpatch_variables()
-
-
-def take_resting(model: Any) -> list[Any]:
-    """The slots `model`'s last run left split, no longer resting (a run takes
-    them over, or they are gathered next)."""
-    slots = _resting.pop(id(model), None)
-    if slots is None:
-        return []
-    _unpatch_variables()
-    return slots
-
-
-def gather_resting(model: Any) -> None:
-    """Gather back into whole tensors the optimizer state a run of `model`
-    left split (collective; nothing when none is)."""
-    for slot in take_resting(model):
-        _gather(slot)
 
 
 class ShardedRun:
@@ -407,7 +223,7 @@ class ShardedRun:
         return list(planned.values())
 
     def _distribute(self, variable: Any, where: Any) -> Any:
-        return _distribute(variable, self.mesh, where)
+        return distribute(variable, self.mesh, where)
 
     def _plain_optimizer_variables(self) -> list[Any]:
         optimizer = getattr(self.model, "optimizer", None)
@@ -429,7 +245,7 @@ class ShardedRun:
                     parameter.device_mesh != self.mesh
                     or tuple(parameter.placements) != tuple(where)
                 ):
-                    _gather(variable)
+                    gather(variable)
                     parameter = internals.variable_storage(variable)
                 if not isinstance(parameter, DTensor):
                     parameter = self._distribute(variable, where)
@@ -462,13 +278,13 @@ class ShardedRun:
                 calling=self._layers,
             )
         self._track_layers()
-        _patch_variables()
+        patch_variables()
         return self
 
     def stop(self) -> None:
         """Gather every variable back into a plain, full tensor (collective);
         with `FSDP(keep_optimizer_sharded=True)` the optimizer's slots stay
-        split (`_resting`)."""
+        split (`split_state.rest`)."""
         optimizer = getattr(self.model, "optimizer", None)
         resting: list[Any] = []
         if getattr(self.distribution, "keep_optimizer_sharded", False) and (
@@ -477,8 +293,8 @@ class ShardedRun:
             slots = {id(variable) for variable in optimizer.variables}
             resting = [v for v in self._variables if id(v) in slots]
         if resting:
-            _rest(self.model, resting)
-        _unpatch_variables()
+            rest(self.model, resting)
+        unpatch_variables()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -492,7 +308,7 @@ class ShardedRun:
             kept = {id(variable) for variable in resting}
             for variable in self._variables:
                 if id(variable) not in kept:
-                    _gather(variable)
+                    gather(variable)
         self._variables.clear()
         self._values.clear()
         self._plain = None

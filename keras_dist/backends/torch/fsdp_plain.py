@@ -45,6 +45,14 @@ from keras_dist.backends.torch.fsdp_compute import (
     sum_over_processes,
     to_full,
 )
+from keras_dist.keras_compat.optimizers import update_in_pieces
+
+
+def _local_bytes(variable: Any) -> int:
+    """The bytes of what `variable` holds now (this process' part)."""
+    value = variable.value
+    return value.numel() * value.element_size()
+
 
 # The fewest bytes the optimizer updates in one go (`PlainCompute._piece_bytes`).
 _SMALLEST_PIECE = 4 * 2**20
@@ -418,7 +426,7 @@ class PlainCompute:
 
     def _piece_bytes(self) -> int:
         """The most bytes of this process' parts the optimizer updates in one
-        go (`keras_internals.update_in_pieces`): an eighth of its share of the
+        go (`keras_compat.optimizers.update_in_pieces`): an eighth of its share of the
         trainable variables, or its largest variable's part if larger, and at
         least `_SMALLEST_PIECE`. Keras' Adam makes three temporaries as large
         as what one go updates; in 8 goes they hold 3/8 of the share instead of
@@ -457,7 +465,9 @@ class PlainCompute:
                     grad = grad.redistribute(self.mesh, value.placements)
                 local.grad = None if grad is None else grad.to_local()
                 internals.set_variable_storage(variable, local)
-            with internals.update_in_pieces(self.model.optimizer, self._piece_bytes()):
+            with update_in_pieces(
+                self.model.optimizer, self._piece_bytes(), _local_bytes
+            ):
                 yield
         finally:
             for variable in self._variables:

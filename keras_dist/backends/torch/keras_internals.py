@@ -104,7 +104,6 @@ def check() -> list[str]:
     if any(not hasattr(v, "aggregation") for v in metric.variables):
         missing.append("Variable.aggregation")
     missing += _check_variable_storage()
-    missing += _check_update_in_pieces()
     dense = keras.layers.Dense(2)
     dense.build((None, 3))
     if not hasattr(dense, "_trainable_variables") or [
@@ -647,80 +646,6 @@ def assign_variables_via(place: Callable[[Any, Any], Any]) -> Callable[[], None]
         cls._convert_to_tensor = original_convert
 
     return restore
-
-
-# -- the optimizer's update in pieces (FSDP) ---------------------------------------
-@contextlib.contextmanager
-def update_in_pieces(optimizer: Any, most_bytes: int) -> Any:
-    """While the block runs, the optimizer's backend update
-    (`BaseOptimizer._backend_update_step`: Keras' torch optimizers update all
-    variables in one set of `torch._foreach_*` ops, whose temporaries are each
-    as large as all the variables together) is called once per group of
-    variables of at most `most_bytes` (a larger variable is a group of its
-    own). Each element is computed exactly as in one call (the ops are
-    elementwise; the iteration count moves only after `apply`), so only the
-    temporaries' peak changes: from a few times the process' share of the
-    model to a few times one group."""
-    # One set on the instance before (by a user, or another hook) comes back.
-    own = vars(optimizer).get("_backend_update_step")
-    original = optimizer._backend_update_step
-
-    def in_pieces(grads: Any, variables: Any, learning_rate: Any) -> None:
-        grads, variables = list(grads), list(variables)
-        start, size = 0, 0
-        for index, variable in enumerate(variables):
-            value = variable.value
-            nbytes = value.numel() * value.element_size()
-            if index > start and size + nbytes > most_bytes:
-                original(grads[start:index], variables[start:index], learning_rate)
-                start, size = index, 0
-            size += nbytes
-        if start < len(variables):
-            original(grads[start:], variables[start:], learning_rate)
-
-    optimizer._backend_update_step = in_pieces
-    try:
-        yield
-    finally:
-        if own is None:
-            del optimizer._backend_update_step  # the class' method again
-        else:
-            optimizer._backend_update_step = own
-
-
-def _check_update_in_pieces() -> list[str]:
-    from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: PLC0415
-
-    if "_backend_update_step" not in BaseOptimizer.__dict__:
-        return ["BaseOptimizer._backend_update_step"]
-
-    def fresh() -> list[Any]:
-        return [keras.Variable(np.ones(n, "float32")) for n in (3, 2)]
-
-    variables, copies = fresh(), fresh()
-    whole, pieces = keras.optimizers.Adam(0.1), keras.optimizers.Adam(0.1)
-    grads = [torch.full((3,), 0.5), torch.full((2,), -0.25)]
-    whole.apply(grads, variables)
-    calls = []
-    backend_update = pieces._backend_update_step
-
-    def counted(*args: Any) -> None:
-        calls.append(len(args[1]))
-        backend_update(*args)
-
-    pieces._backend_update_step = counted
-    with update_in_pieces(pieces, 1):
-        pieces.apply(grads, copies)
-    if (
-        calls != [1, 1]
-        or any(
-            not np.array_equal(np.asarray(a), np.asarray(b))
-            for a, b in zip(variables, copies, strict=True)
-        )
-        or np.array_equal(np.asarray(variables[0]), np.ones(3))
-    ):
-        return ["BaseOptimizer._backend_update_step (called once per apply, on lists)"]
-    return []
 
 
 def _check_variable_storage() -> list[str]:
