@@ -32,14 +32,28 @@ def slot_owners(optimizer: Any, model_variables: list[Any]) -> dict[int, Any]:
 
 
 @contextlib.contextmanager
+def _on_instance(optimizer: Any, name: str, method: Callable) -> Iterator[None]:
+    """`optimizer.<name>` is `method` while the block runs; then the class'
+    method again, or what the instance itself held before (set by a user or
+    another hook)."""
+    own = vars(optimizer).get(name)
+    setattr(optimizer, name, method)
+    try:
+        yield
+    finally:
+        if own is None:
+            delattr(optimizer, name)
+        else:
+            setattr(optimizer, name, own)
+
+
+@contextlib.contextmanager
 def each_new_slot(optimizer: Any, made: Callable[[Any, Any], None]) -> Iterator[None]:
     """While the block runs, `made(reference, slot)` is called as soon as the
     optimizer makes a slot for a model variable
     (`Optimizer.add_variable_from_reference`, which every Keras optimizer's
     `build` uses), before the next one is made: FSDP shards each slot then,
     so the whole set is never held full size."""
-    # One set on the instance before (by a user, or another hook) comes back.
-    own = vars(optimizer).get("add_variable_from_reference")
     original = optimizer.add_variable_from_reference
 
     def add_variable_from_reference(reference: Any, *args: Any, **kwargs: Any) -> Any:
@@ -47,14 +61,10 @@ def each_new_slot(optimizer: Any, made: Callable[[Any, Any], None]) -> Iterator[
         made(reference, slot)
         return slot
 
-    optimizer.add_variable_from_reference = add_variable_from_reference
-    try:
+    with _on_instance(
+        optimizer, "add_variable_from_reference", add_variable_from_reference
+    ):
         yield
-    finally:
-        if own is None:
-            del optimizer.add_variable_from_reference  # the class' method again
-        else:
-            optimizer.add_variable_from_reference = own
 
 
 @contextlib.contextmanager
@@ -70,8 +80,6 @@ def update_in_pieces(
     one call (the ops are elementwise; the iteration count moves only after
     `apply`), so only the temporaries' peak changes: from a few times the
     process' share of the model to a few times one group."""
-    # One set on the instance before (by a user, or another hook) comes back.
-    own = vars(optimizer).get("_backend_update_step")
     original = optimizer._backend_update_step
 
     def in_pieces(grads: Any, variables: Any, learning_rate: Any) -> None:
@@ -86,14 +94,8 @@ def update_in_pieces(
         if start < len(variables):
             original(grads[start:], variables[start:], learning_rate)
 
-    optimizer._backend_update_step = in_pieces
-    try:
+    with _on_instance(optimizer, "_backend_update_step", in_pieces):
         yield
-    finally:
-        if own is None:
-            del optimizer._backend_update_step  # the class' method again
-        else:
-            optimizer._backend_update_step = own
 
 
 def _check_update_in_pieces() -> list[str]:
