@@ -224,9 +224,30 @@ LAUNCH_FLAGS = {
     "coordinator": "--coordinator",
     "max_restarts": "--max-restarts",
     "min_nproc": "--min-nproc",
+    "min_nnodes": "--nnodes MIN",
+    "rdzv_endpoint": "--rdzv-endpoint",
+    "node_timeout": "--node-timeout",
+    "rdzv_timeout": "--rdzv-timeout",
     "hang_timeout": "--hang-timeout",
     "grace_period_seconds": "--grace-period",
 }
+
+
+def parse_nnodes(text: str) -> tuple[int | None, int]:
+    """`--nnodes`: `(None, 2)` from `"2"`, `(1, 2)` from `"1:2"`."""
+    low, separator, high = text.partition(":")
+    try:
+        values = [int(low), int(high)] if separator else [int(low)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--nnodes is a number of nodes (2) or a range MIN:MAX (1:2). "
+            f"Received: {text!r}"
+        ) from None
+    if any(value < 1 for value in values) or values[0] > values[-1]:
+        raise argparse.ArgumentTypeError(
+            f"--nnodes needs 1 <= MIN <= MAX. Received: {text!r}"
+        )
+    return (values[0], values[1]) if separator else (None, values[0])
 
 
 def parse_shape(text: str, flag: str) -> tuple[int | None, ...]:
@@ -374,7 +395,11 @@ def _launch(arguments: argparse.Namespace) -> int:
             arguments.script,
             tuple(arguments.script_args),
             nproc_per_node=arguments.nproc_per_node,
-            nnodes=arguments.nnodes,
+            nnodes=arguments.nnodes[1],
+            min_nnodes=arguments.nnodes[0],
+            rdzv_endpoint=arguments.rdzv_endpoint,
+            node_timeout=arguments.node_timeout,
+            rdzv_timeout=arguments.rdzv_timeout,
             node_rank=arguments.node_rank,
             coordinator=arguments.coordinator,
             max_restarts=arguments.max_restarts,
@@ -504,7 +529,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes to start on this node",
     )
     launch.add_argument(
-        "--nnodes", type=int, default=1, metavar="M", help="nodes in the job"
+        "--nnodes",
+        type=parse_nnodes,
+        default=(None, 1),
+        metavar="M|MIN:MAX",
+        help="nodes in the job; MIN:MAX makes it elastic over nodes (with "
+        "--rdzv-endpoint): it runs on as many as join, at least MIN, goes on "
+        "without a node that is lost and grows back when one joins",
     )
     launch.add_argument(
         "--node-rank",
@@ -518,6 +549,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="address of node 0 that every node reaches; required when M > 1 "
         "(default on one node: 127.0.0.1 and a free port)",
+    )
+    launch.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="elastic multi-node: where the nodes meet; the first launcher on "
+        "HOST serves the rendezvous there (that node must stay), and it gives "
+        "every node its rank and the coordinator",
+    )
+    launch.add_argument(
+        "--node-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="elastic multi-node: a node silent for S seconds is lost; a new "
+        "membership waits S seconds for more nodes once MIN joined (default 10)",
+    )
+    launch.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="elastic multi-node: how long a node waits for at least MIN nodes "
+        "to join (default 600)",
     )
     launch.add_argument(
         "--max-restarts",

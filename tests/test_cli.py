@@ -238,6 +238,32 @@ def test_launch_errors_say_the_flags(run, tmp_path):
             ["--nproc-per-node", "1", "--max-restarts", "-1"],
             "`--max-restarts` must be at least 0. Received: --max-restarts -1",
         ),
+        (
+            ["--nproc-per-node", "1", "--nnodes", "3:2"],
+            "--nnodes needs 1 <= MIN <= MAX. Received: '3:2'",
+        ),
+        (
+            ["--nproc-per-node", "1", "--nnodes", "one:2"],
+            "--nnodes is a number of nodes (2) or a range MIN:MAX (1:2). "
+            "Received: 'one:2'",
+        ),
+        (
+            ["--nproc-per-node", "1", "--nnodes", "1:2"],
+            "needs both `--nnodes MIN` (the fewest nodes) and `--rdzv-endpoint` "
+            "(the rendezvous' HOST:PORT). Received: --nnodes MIN 1, "
+            "no --rdzv-endpoint",
+        ),
+        (
+            ["--nproc-per-node", "1", "--nnodes", "1:2", "--rdzv-endpoint", "x:1"]
+            + ["--node-rank", "1"],
+            "gets each node's rank and the coordinator from its rendezvous",
+        ),
+        (
+            ["--nproc-per-node", "1", "--nnodes", "1:2", "--rdzv-endpoint", "x:1"]
+            + ["--node-timeout", "0"],
+            "`--node-timeout` must be a positive number of seconds. Received: "
+            "--node-timeout 0.0",
+        ),
     ]
     for flags, expected in cases:
         status, _, err = run("launch", *flags, str(script))

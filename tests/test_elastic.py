@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
 import pytest
 
 from keras_dist.checkpoint import store
+from keras_dist.cluster.addresses import find_free_port
 from keras_dist.cluster.launcher import LaunchConfig
 from tests.multiprocess import WORKERS
 from tests.workers.checkpoint_resume_worker import EPOCHS, fit_in_this_process
@@ -68,6 +71,8 @@ def test_a_rank_lost_with_no_restart_left_the_job_goes_on_with_the_others(
     # One line names the lost rank and the new count.
     changes = [line for line in said if "elastic:" in line]
     assert len(changes) == 1, context
+    # kd.Checkpoint names the change where it resumes.
+    assert "saved by 3 process(es), resuming on 2" in log, context
     assert (
         "rank 2 lost" in changes[0]
         and "going on with 2 process(es) of 3" in (changes[0])
@@ -176,3 +181,190 @@ def test_min_nproc_is_checked_when_the_launch_is_configured(tmp_path):
         )
     assert LaunchConfig(str(script), nproc_per_node=3, min_nproc=2).elastic
     assert not LaunchConfig(str(script), nproc_per_node=2, min_nproc=2).elastic
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    # "pid (name) state ppid ...": the name may hold spaces.
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+def _wait_for(path, what: str, processes: list, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        for process in processes:
+            assert process.poll() is None, f"{what}: a node ended with {process.poll()}"
+        assert time.monotonic() < deadline, f"{what}: no {path.name} in {seconds} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.backend("torch")
+def test_two_nodes_one_lost_the_other_goes_on_and_the_job_grows_back(tmp_path):
+    """`--nnodes 1:2`, two nodes of one process each on this machine, meeting
+    at a rendezvous on a free port. After step 5 node 1 is lost (its launcher
+    and its process SIGKILLed): node 0 goes on alone from the last checkpoint
+    (step 4); after step 11 node 1 is started again, joins, and node 0's
+    process stops at one agreed step (SIGTERM: kd.Checkpoint saves there);
+    the job ends on 2 processes with the uninterrupted run's weights and
+    per-epoch logs."""
+    endpoint = f"127.0.0.1:{find_free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_DIST")}
+    env.update(
+        KERAS_BACKEND=BACKEND,
+        DROPOUT="0",
+        BACKGROUND="0",
+        PAUSE_AT="2@5,1@11",
+        TIMES_DIR=str(tmp_path),
+        KERAS_DIST_INIT_TIMEOUT="60",
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "keras_dist",
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        "1:2",
+        "--rdzv-endpoint",
+        endpoint,
+        "--node-timeout",
+        "3",
+        "--grace-period",
+        "5",
+        str(WORKER),
+        str(tmp_path / "ck"),
+        str(tmp_path),
+    ]
+
+    def start(name: str) -> subprocess.Popen:
+        with (
+            (tmp_path / f"{name}.out").open("w") as out,
+            (tmp_path / f"{name}.err").open("w") as err,
+        ):
+            return subprocess.Popen(command, env=env, stdout=out, stderr=err)
+
+    first = start("node-a")
+    time.sleep(0.5)  # node A serves the rendezvous
+    second = start("node-b")
+    nodes = [first, second]
+    try:
+        _wait_for(tmp_path / "paused-2", "2 nodes at step 5", nodes)
+        lost = time.time()
+        for pid in [second.pid, *_children(second.pid)]:
+            os.kill(pid, signal.SIGKILL)
+        second.wait(10)
+        _wait_for(tmp_path / "paused-1", "node A alone at step 11", [first])
+        again = start("node-c")
+        returned = time.time()
+        nodes = [first, again]
+        codes = [node.wait(240) for node in nodes]
+    finally:
+        for node in [first, second, *nodes]:
+            if node.poll() is None:
+                node.kill()
+    log = (tmp_path / "node-a.err").read_text()
+    context = (
+        log[-4000:]
+        + "\n--- node C ---\n"
+        + (tmp_path / "node-c.err").read_text()[-2000:]
+    )
+    assert codes == [0, 0], context
+    changes = [line for line in log.splitlines() if "elastic: round" in line]
+    assert len(changes) == 3, context
+    assert "the job starts on 2 node(s)" in changes[0], changes
+    assert "lost node 1" in changes[1] and "going on with 1 node(s)" in changes[1]
+    assert "joined" in changes[2] and "going on with 2 node(s)" in changes[2]
+    assert "saved by 2 process(es), resuming on 1" in log, context
+    assert "saved by 1 process(es), resuming on 2" in log, context
+    model, history = fit_in_this_process(tmp_path / "reference")
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"result-{rank}.json").read_text())
+        for ours, theirs in zip(result["weights"], model.get_weights(), strict=True):
+            np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=0)
+    logged = {}
+    for line in (tmp_path / "epochs.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        logged[entry.pop("epoch")] = entry  # the last attempt's line wins
+    assert sorted(logged) == list(range(EPOCHS))
+    for epoch in range(EPOCHS):
+        expected = {name: values[epoch] for name, values in history.history.items()}
+        assert logged[epoch] == pytest.approx(expected, abs=1e-5), epoch
+    back = float((tmp_path / "first-step-1.time").read_text())
+    grown = float((tmp_path / "first-step-2.time").read_text())
+    print(
+        f"elastic 2 nodes -> 1: {back - lost:.1f} s from the SIGKILL to training "
+        f"again; 1 -> 2: {grown - returned:.1f} s from the node's start to "
+        "training on 2"
+    )
+
+
+FAILS_ON_TWO_NODES = """
+import os, sys, time
+size = int(os.environ["WORLD_SIZE"])
+print(f"rank {os.environ['RANK']} of {size}", flush=True)
+if size == 2 and os.environ.get("FAIL"):
+    time.sleep(0.5)
+    sys.exit(3)  # this node's process fails whenever the job has 2 nodes
+time.sleep(5 if size == 2 else 0.5)
+"""
+
+
+@pytest.mark.backend_neutral  # the launcher and its rendezvous alone
+def test_a_node_whose_process_fails_with_no_restart_left_leaves_the_others_go_on(
+    tmp_path,
+):
+    """`--nnodes 1:2 --max-restarts 0`: node B's process exits 3 while the job
+    has 2 nodes, with every node alive. No restart is left, so B leaves with
+    its code, saying so, and A goes on alone and ends with 0."""
+    script = tmp_path / "fails.py"
+    script.write_text(FAILS_ON_TWO_NODES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_DIST")}
+    command = [
+        sys.executable,
+        "-m",
+        "keras_dist",
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        "1:2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{find_free_port()}",
+        "--node-timeout",
+        "2",
+        "--grace-period",
+        "2",
+        str(script),
+    ]
+    first = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    second = subprocess.Popen(
+        command, env={**env, "FAIL": "1"}, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _, first_log = first.communicate(timeout=120)
+        _, second_log = second.communicate(timeout=120)
+    finally:
+        for node in (first, second):
+            if node.poll() is None:
+                node.kill()
+    context = f"{first_log}\n--- node B ---\n{second_log}"
+    assert second.returncode == 3, context
+    assert "this node leaves the job with no restart left" in second_log, context
+    assert "rank 1 exited with code 3" in second_log, context
+    assert first.returncode == 0, context
+    rounds = [line for line in first_log.splitlines() if "elastic: round" in line]
+    assert len(rounds) == 2, context
+    assert "left with no restart left" in rounds[1], rounds
+    assert "going on with 1 node(s)" in rounds[1], rounds

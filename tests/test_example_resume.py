@@ -4,8 +4,7 @@
 On the current backend (JAX and TensorFlow: 2 simulated devices a process).
 The job loses a process to SIGKILL mid-epoch, is restarted by the launcher,
 resumes from its latest checkpoint and ends with the weights and the final
-loss of a run that never crashed; with `--blocking-saves`, from the last save
-before the crash, always.
+loss of a run that never crashed.
 """
 
 from __future__ import annotations
@@ -107,22 +106,8 @@ def test_a_crashed_job_restarts_resumes_and_ends_as_an_uninterrupted_one(
         np.testing.assert_allclose(ours, expected, atol=1e-6, rtol=0)
 
 
-@pytest.mark.backend("torch")
-def test_with_blocking_saves_the_job_resumes_from_the_last_save_before_the_crash(
-    uninterrupted, tmp_path
-):
-    # A crash one step after the save of step 35: a background save may not be
-    # written yet (the job then resumes from step 30); a blocking one is.
-    launched = _launch(tmp_path, "--crash-at-step", "36", "--blocking-saves")
-    out, err = launched.stdout, launched.stderr
-    context = out[-3000:] + err[-3000:]
-    assert launched.returncode == 0, context
-    assert "process 1 kills itself after step 36" in err, context
-    assert "kd.Checkpoint: resuming from" in err, context
-    assert "(step 35: epoch 1, batch 6)" in err, context
-    assert "Resumed from step 35 (restart 1); trained to step 58" in out, context
-    assert _final_logs(out) == pytest.approx(uninterrupted["logs"], abs=1e-6)
-    for ours, expected in zip(
-        _weights(tmp_path), uninterrupted["weights"], strict=True
-    ):
-        np.testing.assert_allclose(ours, expected, atol=1e-6, rtol=0)
+# With `--blocking-saves` and a crash one step after the save of step 35 the
+# job resumes from step 35 always (a background save may not be written yet):
+# it passed when written and is left out for CI's time; resuming from a
+# blocking save after a SIGKILL runs in test_elastic.py and the
+# Ray tests.

@@ -392,9 +392,19 @@ class Checkpoint(keras.callbacks.Callback):
         self.best = manifest.get("best", self.best)
         self._resume = manifest
         if self._rank == 0:
+            # An elastic job (a launcher that went on with fewer processes, a
+            # Ray Train group resized) says so where it resumes: the one place
+            # every way of starting the job passes.
+            saved_by = manifest.get("world", {}).get("processes")
+            size = (
+                f"; saved by {saved_by} process(es), resuming on {self._processes}"
+                " (the same global batch: each process' share changes)"
+                if saved_by not in (None, self._processes)
+                else ""
+            )
             print(
                 f"kd.Checkpoint: resuming from {path} (step {manifest['step']}: "
-                f"epoch {position['epoch']}, batch {position['batches_done']})",
+                f"epoch {position['epoch']}, batch {position['batches_done']}){size}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -19,9 +19,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import TextIO
 
-from keras_dist.cluster import hang_doctor
+from keras_dist.cluster import elastic_nodes, hang_doctor
 from keras_dist.cluster.addresses import (
     LOCAL_COORDINATOR_HOST,
     find_free_port,
@@ -219,6 +220,9 @@ class Launcher:
         # The root cause's rank of the last failed attempt (None: a hang or a
         # signal to the launcher).
         self._lost_rank: int | None = None
+        # An elastic multi-node job's reason to stop this node's processes
+        # now (the membership changes), checked while they run.
+        self._external_stop: Callable[[], str | None] | None = None
 
     def run(self) -> int:
         """Start the group, restart it after failures, and wait for the end.
@@ -232,6 +236,8 @@ class Launcher:
         self._output = RankOutput(self._stdout, self._stderr)
         config = self.config
         try:
+            if config.elastic_nodes:
+                return elastic_nodes.run(self)
             restarts = 0
             for attempt in itertools.count():
                 exit_code, failure = self._run_attempt(attempt)
@@ -297,12 +303,13 @@ class Launcher:
         self._wake.set()
 
     def _coordinator(self) -> str:
-        if self.config.coordinator is not None:
-            return self.config.coordinator
+        if self._attempt_config.coordinator is not None:
+            # Fixed, or an elastic multi-node round's (from its rendezvous).
+            return self._attempt_config.coordinator
         # A new port per attempt: the old one may linger in TIME_WAIT.
         return f"{LOCAL_COORDINATOR_HOST}:{find_free_port(LOCAL_COORDINATOR_HOST)}"
 
-    def _run_attempt(self, attempt: int) -> tuple[int, str | None]:
+    def _run_attempt(self, attempt: int) -> tuple[int | None, str | None]:
         """One run of the whole group; returns `(exit_code, failure message)`."""
         coordinator = self._coordinator()
         ranks: list[_RankProcess] = []
@@ -384,9 +391,9 @@ class Launcher:
             self._output.hold_from(ended)
         self._wake.set()
 
-    def _watch(self, ranks: list[_RankProcess]) -> tuple[int, str | None]:
+    def _watch(self, ranks: list[_RankProcess]) -> tuple[int | None, str | None]:
         """Wait until all succeed, one fails, one hangs, or the launcher is
-        signalled."""
+        signalled; `(None, reason)` when `_external_stop` stopped them."""
         self._hang_doctor = None
         while True:
             if self._stop_signals:
@@ -394,6 +401,12 @@ class Launcher:
                 running = self._stop(ranks)
                 self._message(f"received {name}; stopped {running} process(es)")
                 return 128 + self._stop_signals[0], f"received {name}"
+            reason = self._external_stop() if self._external_stop else None
+            if reason is not None:
+                # SIGTERM: a kd.Checkpoint saves at the step all agree on.
+                stopped = self._stop(ranks)
+                self._message(f"elastic: {reason}; stopped {stopped} process(es)")
+                return None, reason
             running = [r for r in ranks if r.exited_at is None]
             failed = [r for r in ranks if r.exited_at and r.process.returncode != 0]
             if failed:

@@ -8,9 +8,8 @@ keras_dist.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import signal
+import time
 
 import keras
 import numpy as np
@@ -19,6 +18,8 @@ from ray.train import UserCallback
 ROWS = 40
 BATCH = 8  # global: 5 steps an epoch
 EPOCHS = 2
+# How long a paused worker waits for Ray to end its group.
+PAUSE_SECONDS = 120
 
 
 def data() -> tuple[np.ndarray, np.ndarray]:
@@ -63,9 +64,11 @@ def reference_weights() -> list[np.ndarray]:
 
 
 class _Attempt(keras.callbacks.Callback):
-    """Records the step `fit` starts at (after kd.Checkpoint restored) and,
-    on the first attempt, kills the worker of rank `kill_rank` with SIGKILL
-    after global step `kill_at_step`."""
+    """Records the step `fit` starts at (after kd.Checkpoint restored) and the
+    group's size. With `pause_at` (`{"<processes>": step}`), the worker of
+    rank 0 of a group of that size writes `paused-<processes>` after that step
+    and waits there (at most `PAUSE_SECONDS`) for the test to change the
+    cluster: Ray then ends the group."""
 
     def __init__(self, output: pathlib.Path, rank: int, config: dict) -> None:
         super().__init__()
@@ -75,20 +78,22 @@ class _Attempt(keras.callbacks.Callback):
         return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
     def on_train_begin(self, logs=None):
+        import keras_dist as kd  # noqa: PLC0415
+
+        self.processes = kd.num_processes()
         with open(self.output / f"starts-{self.rank}.txt", "a") as file:
             file.write(f"{self._step()}\n")
+        with open(self.output / f"sizes-{self.rank}.txt", "a") as file:
+            file.write(f"{self.processes}\n")
 
     def on_train_batch_end(self, batch, logs=None):
-        kill_at = self.config.get("kill_at_step")
-        marker = self.output / "killed"
-        if (
-            kill_at is not None
-            and self.rank == self.config["kill_rank"]
-            and self._step() == kill_at
-            and not marker.exists()
-        ):
-            marker.write_text(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGKILL)
+        pause_at = self.config.get("pause_at", {}).get(str(self.processes))
+        marker = self.output / f"paused-{self.processes}"
+        if self.rank == 0 and self._step() == pause_at and not marker.exists():
+            marker.write_text(str(self._step()))
+            deadline = time.monotonic() + PAUSE_SECONDS
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def train(config: dict) -> None:

@@ -1,14 +1,21 @@
-"""keras_dist on Ray Train (`integrations/ray`): a real local Ray cluster
-(`ray.init(num_cpus=2)`), Ray Train V2 worker groups of 2 workers.
+"""keras_dist on Ray Train (`integrations/ray`): a real local Ray cluster of
+two nodes (`ray.cluster_utils.Cluster`: a head and one more node, one CPU
+each, every raylet a real process), Ray Train V2 worker groups of up to 2
+workers.
 
-One cluster serves the module. On JAX, 2 workers with
-`kd.DataParallel()` train as one process does; on PyTorch the same run also
-loses a worker (SIGKILL) mid-epoch, and Ray's `FailureConfig(max_failures=1)`
-starts the group again, which resumes from the `kd.Checkpoint` directory and
-ends with the weights of the uninterrupted one-process run. On JAX, the run
-restored from Ray's storage with an empty checkpoint directory resumes from
-Ray's checkpoint (left out for CI's time, as are the TensorFlow run and
-`examples/ray_train.py`: see the notes below).
+One cluster serves the module. On JAX, 2 workers with `kd.DataParallel()`
+train as one process does. On PyTorch the same run is elastic
+(`ScalingConfig(num_workers=(1, 2))`): the second node is removed mid-epoch
+(its worker dies with it), Ray starts the group again on the one worker the
+cluster still has room for, which resumes from the `kd.Checkpoint` directory on
+1 process; a node is added again and Ray grows the group back to 2, which
+resumes once more; the run ends with the weights and per-epoch logs of the
+uninterrupted one-process run. (A worker killed on a node that stays is
+started again at full size: Ray's elastic policy counts the nodes'
+resources, and that node still has them.) On JAX, the run restored from Ray's
+storage with an empty checkpoint directory resumes from Ray's checkpoint (left
+out for CI's time, as are the TensorFlow run and `examples/ray_train.py`: see
+the notes below).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import os
 import pathlib
 import re
 import sys
+import threading
+import time
 
 import keras
 import numpy as np
@@ -33,6 +42,7 @@ if str(RAY_PACKAGE) not in sys.path:  # until the package is installed with us
     sys.path.insert(0, str(RAY_PACKAGE))
 
 import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
@@ -47,33 +57,42 @@ DEVICES_PER_WORKER = 2 if BACKEND == "jax" else 1
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster for the module. Its processes inherit PYTHONPATH
-    from the raylet this starts (the repository and `keras_dist_ray`, for the
-    jobs of other drivers too: the example's); this job's workers simulate
-    `DEVICES_PER_WORKER` CPU devices each."""
+    """A local Ray cluster of two nodes for the module: the head and one more
+    (the one the elastic test removes and adds again), a CPU each. Its
+    processes inherit PYTHONPATH from the raylets this starts (the repository
+    and `keras_dist_ray`, for the jobs of other drivers too: the example's);
+    this job's workers simulate `DEVICES_PER_WORKER` CPU devices each."""
     with pytest.MonkeyPatch.context() as patch:
         # The controller notices a finished or dead worker group sooner
-        # (Ray's default: every 2 s); Ray passes RAY_TRAIN_* on to it.
+        # (Ray's default: every 2 s), and gives up sooner on a group the
+        # cluster has no room for any more (its default: 60 s; Ray's view of
+        # the nodes is refreshed every 20 s); Ray passes RAY_TRAIN_* on to it.
         patch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+        patch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
         python_path = [str(REPO_ROOT), str(RAY_PACKAGE)]
         if os.environ.get("PYTHONPATH"):
             python_path.append(os.environ["PYTHONPATH"])
         patch.setenv("PYTHONPATH", os.pathsep.join(python_path))
-        ray.init(
-            num_cpus=2,
-            include_dashboard=False,
-            runtime_env={
-                "env_vars": {
-                    "KERAS_DIST_CPU_DEVICES": str(DEVICES_PER_WORKER),
-                    "KERAS_DIST_INIT_TIMEOUT": "60",
-                    "TF_CPP_MIN_LOG_LEVEL": "2",
-                }
-            },
+        nodes = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "include_dashboard": False},
         )
+        nodes.add_node(num_cpus=1)
         try:
-            yield ray.get_runtime_context().gcs_address
+            ray.init(
+                address=nodes.address,
+                runtime_env={
+                    "env_vars": {
+                        "KERAS_DIST_CPU_DEVICES": str(DEVICES_PER_WORKER),
+                        "KERAS_DIST_INIT_TIMEOUT": "60",
+                        "TF_CPP_MIN_LOG_LEVEL": "2",
+                    }
+                },
+            )
+            yield nodes
         finally:
             ray.shutdown()
+            nodes.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +104,15 @@ def reference() -> dict:
 
 
 def _train(
-    output: pathlib.Path, storage_path: pathlib.Path | None = None, **config
+    output: pathlib.Path,
+    storage_path: pathlib.Path | None = None,
+    num_workers: int | tuple[int, int] = 2,
+    **config,
 ) -> tuple:
-    """`KerasTrainer(functions.train)` on 2 workers; the result, each rank's
-    JSON and weights, and what the controller received from each report.
-    Ray's storage is `storage_path`, else `output/ray_storage`."""
+    """`KerasTrainer(functions.train)` on `num_workers` workers (ending on 2);
+    the result, each rank's JSON and weights, and what the controller received
+    from each report. Ray's storage is `storage_path`, else
+    `output/ray_storage`."""
     output.mkdir(parents=True, exist_ok=True)
     from keras_dist_ray import KerasTrainer  # noqa: PLC0415
 
@@ -97,7 +120,9 @@ def _train(
     result = KerasTrainer(
         functions.train,
         train_loop_config={"output": str(output), **config},
-        scaling_config=ScalingConfig(num_workers=2),
+        scaling_config=ScalingConfig(
+            num_workers=num_workers, elastic_resize_monitor_interval_s=1.0
+        ),
         run_config=RunConfig(
             name="keras_dist_test",
             storage_path=str(storage_path or output / "ray_storage"),
@@ -172,37 +197,74 @@ def test_two_workers_train_like_one_process(parity_run, reference, tmp_path):
 # it is left out of the suite for CI's time (one more worker-group start).
 
 
+def _wait_for(path: pathlib.Path, what: str, seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{what}: no {path.name} in {seconds} s"
+        time.sleep(0.05)
+
+
 @pytest.mark.backend("torch")
-def test_killed_worker_resumes_from_checkpoint_like_one_process(
+def test_elastic_group_goes_on_smaller_when_a_node_is_lost_and_grows_back(
     ray_cluster, reference, tmp_path
 ):
-    """Saves every 2 steps (5 an epoch), each committed before training goes
-    on; the worker of rank 1 kills itself after step 3 in the first attempt,
-    before any report, when step 2 is the latest checkpoint."""
-    result, ranks, weights, reports = _train(
-        tmp_path,
-        checkpoint_dir=str(tmp_path / "checkpoints"),
-        save_freq=2,
-        save_on_background=False,
-        kill_at_step=3,
-        kill_rank=1,
+    """`num_workers=(1, 2)`, a save every 2 steps (5 an epoch), each committed
+    before training goes on. The group of 2 stops after step 3 (rank 0 waits
+    there) and the second node is removed: Ray starts a group of 1, which
+    resumes from step 2 on 1 process and stops after step 6; a node is added
+    and Ray grows the group back to 2, which resumes from step 6 and ends."""
+    done: dict = {}
+
+    def train() -> None:
+        try:
+            done["run"] = _train(
+                tmp_path,
+                num_workers=(1, 2),
+                checkpoint_dir=str(tmp_path / "checkpoints"),
+                save_freq=2,
+                save_on_background=False,
+                pause_at={"2": 3, "1": 6},
+            )
+        except BaseException as error:  # noqa: BLE001 (raised below)
+            done["error"] = error
+
+    # Ray's cluster is changed from this (the main) thread: starting a node
+    # installs signal handlers.
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    second_node = next(iter(ray_cluster.worker_nodes))
+    _wait_for(tmp_path / "paused-2", "the group of 2 at step 3")
+    removed = time.monotonic()
+    ray_cluster.remove_node(second_node)
+    _wait_for(tmp_path / "paused-1", "the group of 1 at step 6")
+    added = time.monotonic()
+    ray_cluster.add_node(num_cpus=1)
+    trainer.join(240)
+    print(
+        f"Ray elastic: 2 -> 1 worker(s) {added - removed:.1f} s from the node's "
+        f"removal to step 6 on 1; 1 -> 2 and the end {time.monotonic() - added:.1f} s"
     )
-    assert (tmp_path / "killed").exists(), "a worker was killed"
-    for rank in (0, 1):
-        starts = (tmp_path / f"starts-{rank}.txt").read_text().split()
-        # The second attempt resumed from the checkpoint, not from scratch.
-        assert [int(step) for step in starts] == [0, 2], starts
+    assert not trainer.is_alive(), "the elastic run did not end in 240 s"
+    if "error" in done:
+        raise done["error"]
+    result, ranks, weights, reports = done["run"]
+    # Rank 0 ran in all three groups: 2, 1, 2 processes, from steps 0, 2, 6.
+    read = lambda name: (tmp_path / name).read_text().split()  # noqa: E731
+    assert [int(n) for n in read("sizes-0.txt")] == [2, 1, 2]
+    assert [int(step) for step in read("starts-0.txt")] == [0, 2, 6]
+    assert [int(step) for step in read("starts-1.txt")] == [0, 6]
     assert [rank["processes"] for rank in ranks] == [2, 2]
     for rank_weights in weights:
         _assert_weights(rank_weights, reference["weights"])
-    # The first attempt died before its first report; the second reported
-    # both epochs (the first from the resumed step on) and the last save.
-    _assert_epoch_reports(reports, reference["history"])
-    # Steps 4, 8 and 10 (saves are committed at once here).
-    assert [report["checkpoint"] for report in reports] == [True, True, True]
-    np.testing.assert_allclose(
-        result.metrics["loss"], reference["history"]["loss"][-1], atol=ATOL
-    )
+    # Epoch 0 reported by the group of 1 (it ended there), epoch 1 and the
+    # last save by the group of 2: the same global logs as one process.
+    history = reference["history"]
+    assert [len(report["metrics"]) for report in reports] == [1, 2, 2]
+    for epoch in range(len(history["loss"])):
+        for metrics in reports[epoch]["metrics"]:
+            for name, values in history.items():
+                np.testing.assert_allclose(metrics[name], values[epoch], atol=ATOL)
+    np.testing.assert_allclose(result.metrics["loss"], history["loss"][-1], atol=ATOL)
     restored = tmp_path / "restored"
     _assert_weights(_restored_weights(result, restored), reference["weights"])
     assert sorted(os.listdir(restored)) == ["step-000000010"]

@@ -8,6 +8,10 @@ Environment:
   that rank has finished that global step: the rank sends itself the signal.
 - DROPOUT: "0" leaves Dropout out (runs on another world size differ in it).
 - STEP_SECONDS: a pause after every batch (a test signals the job mid-fit).
+- PAUSE_AT: `processes@step,...` (e.g. `2@5,1@11`): in a job of that many
+  processes, process 0 writes TIMES_DIR/paused-<processes> after that global
+  step and waits there (at most 120 s, or until a preemption signal) for the
+  test to change the job around it.
 - TIMES_DIR: process 0 writes there when each attempt trained its first step
   (`first-step-<attempt>.time`), and a faulting rank when it faults
   (`fault-<attempt>.time`).
@@ -121,6 +125,7 @@ class Fault(keras.callbacks.Callback):
             if not os.path.exists(first):
                 with open(first, "w") as handle:
                     handle.write(repr(time.time()))
+        self._pause(times)
         if self.fault is None:
             return
         name, step, rank = self.fault
@@ -129,6 +134,29 @@ class Fault(keras.callbacks.Callback):
                 with open(os.path.join(times, f"fault-{attempt}.time"), "w") as handle:
                     handle.write(repr(time.time()))
             os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+
+    def _pause(self, times: str | None) -> None:
+        pauses = dict(
+            pause.split("@")
+            for pause in os.environ.get("PAUSE_AT", "").split(",")
+            if pause
+        )
+        step = pauses.get(str(kd.num_processes()))
+        marker = os.path.join(times or "", f"paused-{kd.num_processes()}")
+        if (
+            step is None
+            or kd.process_id() != 0
+            or self.checkpoint._global_step != int(step)
+            or os.path.exists(marker)
+        ):
+            return
+        with open(marker, "w") as handle:
+            handle.write(step)
+        deadline = time.monotonic() + 120
+        while (
+            time.monotonic() < deadline and self.checkpoint._preemption.signal is None
+        ):
+            time.sleep(0.05)
 
 
 class EpochLog(keras.callbacks.Callback):

@@ -29,6 +29,17 @@ class KerasTrainer(DataParallelTrainer):
     start and `kd.Checkpoint` resumes from the latest checkpoint in its
     directory.
 
+    Elastic: with `ScalingConfig(num_workers=(min, max))` (Ray Train V2's
+    elastic scaling), Ray starts the group on as many workers as the
+    cluster's nodes have room for (at least `min`); when a node is lost it
+    starts the group again smaller, and when nodes are added it grows it
+    (checked every `elastic_resize_monitor_interval_s`). Each new group's
+    `kd.Checkpoint` resumes exactly on its own worker count, with the same
+    global batch (each worker's share changes), and says so on rank 0
+    (`saved by 2 process(es), resuming on 1`). Each start after a lost node
+    counts as one of `FailureConfig(max_failures)`; a resize to more workers
+    does not.
+
     It is Ray's own `DataParallelTrainer` (Ray Train V2) with the keras_dist
     backend (`KerasConfig`); every other argument means what it means there.
 
