@@ -32,6 +32,7 @@ NEUTRAL_BACKEND = os.environ.get("KERAS_DIST_NEUTRAL_TESTS_BACKEND", "jax")
 RUN_FIRST = (
     "integrations/test_ray.py",
     "test_multiprocess_torch.py",
+    "test_elastic.py",
     "test_checkpoint_jobs.py",
     "test_multiprocess_tf.py",
     "test_multiprocess_jax.py",

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import keras
@@ -208,7 +209,7 @@ def _wait_for(path, what: str, processes: list, seconds: float = 180) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.backend("torch")
+@pytest.mark.backend("torch", "jax", "tensorflow")
 def test_two_nodes_one_lost_the_other_goes_on_and_the_job_grows_back(tmp_path):
     """`--nnodes 1:2`, two nodes of one process each on this machine, meeting
     at a rendezvous on a free port. After step 5 node 1 is lost (its launcher
@@ -368,3 +369,65 @@ def test_a_node_whose_process_fails_with_no_restart_left_leaves_the_others_go_on
     assert len(rounds) == 2, context
     assert "left with no restart left" in rounds[1], rounds
     assert "going on with 1 node(s)" in rounds[1], rounds
+
+
+@pytest.mark.backend_neutral  # the rendezvous alone, in this process
+def test_rendezvous_rounds_keep_the_order_grow_back_and_name_a_lost_server():
+    """Two nodes of at most 3 form a round after the last call (the first
+    round waits it), keeping their join order; a third joining makes the
+    running round restart and the next one holds all three in the old order;
+    once the server is gone a node's join names it."""
+    from keras_dist.cluster.elastic_rendezvous import (  # noqa: PLC0415
+        RendezvousClient,
+        RendezvousError,
+        RendezvousServer,
+    )
+
+    endpoint = f"127.0.0.1:{find_free_port()}"
+    server = RendezvousServer(
+        endpoint, min_nodes=2, max_nodes=3, max_restarts=0, node_timeout=1.0
+    )
+    clients = [
+        RendezvousClient(endpoint, name, timeout=20, node_timeout=1.0)
+        for name in ("a", "b", "c")
+    ]
+    answers: dict = {}
+
+    def join(client) -> None:
+        answers[client.name] = client.join("127.0.0.1", find_free_port())
+
+    try:
+        started = time.monotonic()
+        threads = [threading.Thread(target=join, args=(c,)) for c in clients[:2]]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.1)  # a joins first
+        for thread in threads:
+            thread.join(20)
+        assert time.monotonic() - started >= 1.0, "the first round waits its last call"
+        assert [answers[n]["node_rank"] for n in "ab"] == [0, 1], answers
+        assert answers["a"]["coordinator"] == answers["b"]["coordinator"]
+        assert answers["a"]["change"] == (
+            "the job starts on 2 node(s) (at least 2, at most 3)"
+        )
+        for client in clients[:2]:
+            client.start_heartbeat()
+        late = threading.Thread(target=join, args=(clients[2],))
+        late.start()
+        deadline = time.monotonic() + 10
+        while not all(c.poll() == "restart" for c in clients[:2]):
+            assert time.monotonic() < deadline, [c.poll() for c in clients[:2]]
+            time.sleep(0.05)
+        threads = [threading.Thread(target=join, args=(c,)) for c in clients[:2]]
+        for thread in [*threads]:
+            thread.start()
+        for thread in [*threads, late]:
+            thread.join(20)
+        assert [answers[n]["node_rank"] for n in "abc"] == [0, 1, 2], answers
+        assert answers["c"]["change"].startswith("joined: c: going on with 3 node(s)")
+    finally:
+        for client in clients:
+            client.close()
+        server.close()
+    with pytest.raises(RendezvousError, match=f"the rendezvous at {endpoint} did not"):
+        clients[0].join("127.0.0.1", find_free_port())

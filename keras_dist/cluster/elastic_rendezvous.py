@@ -213,12 +213,20 @@ class RendezvousServer:
         if self._min_reached is None:
             self._min_reached = now
         alive = [n for n in self._nodes.values() if self._alive(n, now)]
-        # The first round waits the last call for nodes still starting; a
-        # later one forms as soon as every node alive is back.
+        # A member of the last round still alive is stopping its processes
+        # (a save at the agreed step can take a while): it is waited for. The
+        # first round waits the last call for nodes still starting; a later
+        # one forms as soon as every node alive is back.
+        stopping = any(n.joined is None and n.name in self._members for n in alive)
         if not (
             len(joined) >= self.max_nodes
-            or (self._round >= 0 and all(n.joined is not None for n in alive))
-            or now - self._min_reached >= self.last_call
+            or (
+                not stopping
+                and (
+                    (self._round >= 0 and all(n.joined is not None for n in alive))
+                    or now - self._min_reached >= self.last_call
+                )
+            )
         ):
             return
         self._form(joined, now)
@@ -267,8 +275,8 @@ class RendezvousServer:
         if name in self._leaving:
             code, why = self._leaving[name]
             return {"status": "leave", "code": code, "why": why}
-        if self._finished and name in self._members:
-            return {"status": "finished"}
+        if self._finished:
+            return {"status": "finished"}  # members, and a spare node waiting
         if self._running and name in self._members:
             if round_number is None or round_number < self._round:
                 return {
@@ -340,6 +348,7 @@ class RendezvousClient:
         self._last_answer = time.monotonic()
         self._state: dict[str, Any] = {"status": "waiting"}
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._heartbeat: threading.Thread | None = None
 
     def _ask(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -363,8 +372,14 @@ class RendezvousClient:
     def start_heartbeat(self) -> None:
         def beat() -> None:
             while not self._stop.wait(HEARTBEAT_SECONDS):
+                sent_for = self.round
                 with contextlib.suppress(OSError, ValueError):
-                    self._state = self._ask("heartbeat")
+                    answer = self._ask("heartbeat", round=sent_for)
+                    with self._lock:
+                        # An answer about a round this node has left behind
+                        # (it joined the next one meanwhile) is stale.
+                        if self.round == sent_for:
+                            self._state = answer
 
         self._heartbeat = threading.Thread(
             target=beat, name="keras-dist-rendezvous-heartbeat", daemon=True
@@ -397,9 +412,10 @@ class RendezvousClient:
                 )
             time.sleep(0.1)
             answer = self._retrying("wait")
-        if answer["status"] == "ready":
-            self.round = answer["round"]
-        self._state = answer
+        with self._lock:
+            if answer["status"] == "ready":
+                self.round = answer["round"]
+            self._state = answer
         return answer
 
     def _retrying(self, kind: str, **fields: Any) -> dict[str, Any]:
