@@ -284,7 +284,8 @@ def test_two_nodes_one_lost_the_other_goes_on_and_the_job_grows_back(tmp_path):
     changes = [line for line in log.splitlines() if "elastic: round" in line]
     assert len(changes) == 3, context
     assert "the job starts on 2 node(s)" in changes[0], changes
-    assert "lost node 1" in changes[1] and "going on with 1 node(s)" in changes[1]
+    assert "lost node 1 (" in changes[1] and ", rank 1) (no heartbeat)" in changes[1]
+    assert "going on with 1 node(s)" in changes[1], changes
     assert "joined" in changes[2] and "going on with 2 node(s)" in changes[2]
     assert "saved by 2 process(es), resuming on 1" in log, context
     assert "saved by 1 process(es), resuming on 2" in log, context
@@ -424,7 +425,9 @@ def test_rendezvous_rounds_keep_the_order_grow_back_and_name_a_lost_server():
         for thread in [*threads, late]:
             thread.join(20)
         assert [answers[n]["node_rank"] for n in "abc"] == [0, 1, 2], answers
-        assert answers["c"]["change"].startswith("joined: c: going on with 3 node(s)")
+        assert answers["c"]["change"].startswith(
+            "joined: node 2 (c, rank 2): going on with 3 node(s)"
+        ), answers["c"]["change"]
     finally:
         for client in clients:
             client.close()

@@ -42,6 +42,7 @@ def _serve_if_first(launcher: Launcher) -> RendezvousServer | None:
             max_nodes=config.nnodes,
             max_restarts=config.max_restarts,
             node_timeout=config.node_timeout,
+            nproc_per_node=config.nproc_per_node,
         )
     except OSError:
         return None

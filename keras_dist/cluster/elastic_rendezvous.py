@@ -79,6 +79,8 @@ class RendezvousServer:
         endpoint: `"host:port"` to listen on.
         min_nodes, max_nodes: the job's node count range.
         max_restarts: rounds that may fail with every member alive.
+        nproc_per_node: each node's processes (the same on every node: the
+            same command), for the ranks the membership lines name.
         node_timeout: seconds without a heartbeat after which a node is lost;
             also how long a round waits for more nodes once MIN joined (so
             that a node lost just before is known lost when the round forms).
@@ -95,10 +97,12 @@ class RendezvousServer:
         max_nodes: int,
         max_restarts: int,
         node_timeout: float,
+        nproc_per_node: int = 1,
     ) -> None:
         host, port = split_address(endpoint, name="rdzv_endpoint")
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.max_restarts = max_restarts
+        self.nproc_per_node = nproc_per_node
         self.node_timeout = self.last_call = node_timeout
         self._lock = threading.Lock()
         self._nodes: dict[str, _Node] = {}
@@ -269,6 +273,7 @@ class RendezvousServer:
             self._leaving,
             self.min_nodes,
             self.max_nodes,
+            self.nproc_per_node,
         )
 
     def _status(self, name: str, round_number: int | None, now: float) -> dict:
@@ -301,25 +306,30 @@ def _describe_change(
     leaving_why: dict[str, tuple[int, str]],
     min_nodes: int,
     max_nodes: int,
+    nproc: int,
 ) -> str:
     size = f"{len(members)} node(s) (at least {min_nodes}, at most {max_nodes})"
     if not previous:
         return f"the job starts on {size}"
+
+    def node(order: list[str], name: str) -> str:
+        first = order.index(name) * nproc
+        ranks = f"rank {first}" if nproc == 1 else f"ranks {first}-{first + nproc - 1}"
+        return f"node {order.index(name)} ({name}, {ranks})"
+
     parts = []
     if lost:
         parts.append(
-            "lost "
-            + ", ".join(f"node {previous.index(m)} ({m})" for m in lost)
-            + " (no heartbeat)"
+            "lost " + ", ".join(node(previous, m) for m in lost) + " (no heartbeat)"
         )
     if leaving is not None:
         parts.append(
-            f"node {previous.index(leaving)} ({leaving}) left with no restart "
-            f"left ({leaving_why[leaving][1]})"
+            f"{node(previous, leaving)} left with no restart left "
+            f"({leaving_why[leaving][1]})"
         )
     new = [m for m in members if m not in previous]
     if new:
-        parts.append("joined: " + ", ".join(new))
+        parts.append("joined: " + ", ".join(node(members, m) for m in new))
     if not parts:
         return f"the same {size} start again"
     return "; ".join(parts) + f": going on with {size}"
