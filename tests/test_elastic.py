@@ -434,3 +434,40 @@ def test_rendezvous_rounds_keep_the_order_grow_back_and_name_a_lost_server():
         server.close()
     with pytest.raises(RendezvousError, match=f"the rendezvous at {endpoint} did not"):
         clients[0].join("127.0.0.1", find_free_port())
+
+
+@pytest.mark.backend_neutral  # the launcher and its rendezvous alone
+def test_a_node_waiting_for_others_ends_on_sigterm_or_after_the_rdzv_timeout(tmp_path):
+    """`--nnodes 2:2` with one node only: it waits for a round, never starting
+    its process; SIGTERM ends it at once (143), and without one
+    `--rdzv-timeout 2` ends it after 2 s (1), each saying why."""
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('never started')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_DIST")}
+
+    def command(*flags: str) -> list[str]:
+        endpoint = f"127.0.0.1:{find_free_port()}"
+        launch = [sys.executable, "-m", "keras_dist", "launch", "--nproc-per-node"]
+        flags = ("--nnodes", "2:2", "--rdzv-endpoint", endpoint, *flags)
+        return [*launch, "1", *flags, str(script)]
+
+    waiting = subprocess.Popen(command(), env=env, stderr=subprocess.PIPE, text=True)
+    time.sleep(2)
+    waiting.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    _, log = waiting.communicate(timeout=30)
+    assert waiting.returncode == 143, log
+    assert time.monotonic() - started < 5, log
+    assert "received SIGTERM while waiting for a round" in log, log
+    assert "never started" not in log, log
+    started = time.monotonic()
+    ended = subprocess.run(
+        command("--rdzv-timeout", "2"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ended.returncode == 1, ended.stderr
+    assert "no round of the elastic job formed in 2 s" in ended.stderr, ended.stderr
+    assert time.monotonic() - started < 20, ended.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 from typing import Any
 
@@ -67,6 +68,7 @@ def run(launcher: Launcher) -> int:
         return _RENDEZVOUS_FAILED
     finally:
         client.close()
+        client.leave()  # whatever ended it: no other node waits for this one
         if server is not None:
             # The others learn that the job finished (or this node left)
             # from the next answer; give them the time of a heartbeat or two.
@@ -81,12 +83,20 @@ def _rounds(launcher: Launcher, client: RendezvousClient) -> int:
     except OSError:
         host, _ = split_address(config.rdzv_endpoint, name="rdzv_endpoint")
     client.start_heartbeat()
+
+    def signalled() -> bool:
+        return bool(launcher._stop_signals)
+
     attempt = 0
     while True:
-        if launcher._stop_signals:
+        answer = client.join(host, find_free_port(host), give_up=signalled)
+        if answer["status"] == "stopped":
             client.leave()
+            name = signal.Signals(launcher._stop_signals[0]).name
+            launcher._message(
+                f"received {name} while waiting for a round; this node ends"
+            )
             return 128 + launcher._stop_signals[0]
-        answer = client.join(host, find_free_port(host))
         if answer["status"] == "finished":
             return 0
         if answer["status"] == "leave":
@@ -122,9 +132,12 @@ def _rounds(launcher: Launcher, client: RendezvousClient) -> int:
             return exit_code if exit_code is not None else 1
         if failure is None and exit_code == 0:
             client.ended(0, "")
-            status = client.wait_finished()
+            status = client.wait_finished(give_up=signalled)
             if status == "finished":
                 return 0
+            if status == "stopped":
+                client.leave()
+                return 128 + launcher._stop_signals[0]
             continue
         if exit_code is None:
             continue  # stopped for the next round (`_stop_reason`)

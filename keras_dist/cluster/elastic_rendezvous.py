@@ -34,6 +34,7 @@ import socket
 import socketserver
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from keras_dist.cluster.addresses import join_address, split_address
@@ -401,9 +402,13 @@ class RendezvousClient:
         if self._heartbeat is not None:
             self._heartbeat.join(_REQUEST_SECONDS)
 
-    def join(self, host: str, port: int) -> dict[str, Any]:
+    def join(
+        self, host: str, port: int, give_up: Callable[[], bool] = lambda: False
+    ) -> dict[str, Any]:
         """Join the next round and wait for it to form; returns the answer:
-        `ready` (a `Round` in `round_of`), `finished`, or `leave`.
+        `ready` (the round: `node_rank`, `nnodes`, `coordinator`, `change`),
+        `finished`, `leave`, or `stopped` once `give_up()` is true (the
+        launcher was signalled).
 
         Raises:
             RendezvousError: when no round formed within `timeout`, or the
@@ -414,6 +419,8 @@ class RendezvousClient:
         while answer["status"] == "waiting" or (
             answer["status"] in ("running", "restart")
         ):
+            if give_up():
+                return {"status": "stopped"}
             if time.monotonic() > deadline:
                 raise RendezvousError(
                     f"no round of the elastic job formed in {self.timeout:g} s "
@@ -457,11 +464,13 @@ class RendezvousClient:
             return "lost"
         return self._state.get("status", "running")
 
-    def wait_finished(self) -> str:
+    def wait_finished(self, give_up: Callable[[], bool] = lambda: False) -> str:
         """After this node's processes succeeded: wait until every member's
-        did (`finished`) or the round ended elsewhere (`restart`/`leave`)."""
-        while True:
+        did (`finished`) or the round ended elsewhere (`restart`/`leave`);
+        `stopped` once `give_up()` is true."""
+        while not give_up():
             status = self._retrying("wait").get("status")
             if status not in ("running",):
                 return status
             time.sleep(0.1)
+        return "stopped"
