@@ -141,7 +141,16 @@ def _rounds(launcher: Launcher, client: RendezvousClient) -> int:
             continue
         if exit_code is None:
             continue  # stopped for the next round (`_stop_reason`)
-        client.ended(exit_code, failure or f"exit code {exit_code}")
+        # The first of this node's processes to fail, for the rendezvous to
+        # tell which node failed first.
+        failed_at = [
+            rank.exited_at
+            for rank in launcher._ranks
+            if rank.exited_at is not None and rank.process.returncode
+        ]
+        client.ended(
+            exit_code, failure or f"exit code {exit_code}", min(failed_at, default=None)
+        )
 
 
 def _stop_reason(client: RendezvousClient) -> str | None:

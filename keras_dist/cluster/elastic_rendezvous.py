@@ -39,7 +39,7 @@ from typing import Any
 
 from keras_dist.cluster.addresses import join_address, split_address
 
-__all__ = ["RendezvousClient", "RendezvousError", "RendezvousServer", "Round"]
+__all__ = ["RendezvousClient", "RendezvousError", "RendezvousServer"]
 
 #: How often a node tells the rendezvous it is alive.
 HEARTBEAT_SECONDS = 0.5
@@ -49,18 +49,6 @@ _REQUEST_SECONDS = 5.0
 
 class RendezvousError(RuntimeError):
     """The rendezvous cannot be reached, or did not form a job in time."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Round:
-    """One membership of the job: what a node starts its processes with."""
-
-    number: int
-    node_rank: int
-    nnodes: int
-    coordinator: str
-    #: One line for the user: the change from the previous round.
-    change: str
 
 
 @dataclasses.dataclass
@@ -448,9 +436,11 @@ class RendezvousClient:
                     ) from error
                 time.sleep(0.1)
 
-    def ended(self, code: int, why: str) -> None:
-        """Say this node's processes of the current round ended."""
-        self._state = self._retrying("ended", code=code, why=why, at=time.time())
+    def ended(self, code: int, why: str, at: float | None = None) -> None:
+        """Say this node's processes of the current round ended (`at`: when
+        the first of them failed, wall-clock; now when None)."""
+        at = time.time() if at is None else at
+        self._state = self._retrying("ended", code=code, why=why, at=at)
 
     def leave(self) -> None:
         with contextlib.suppress(OSError, ValueError):
