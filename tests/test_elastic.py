@@ -184,6 +184,14 @@ def test_min_nproc_is_checked_when_the_launch_is_configured(tmp_path):
     assert not LaunchConfig(str(script), nproc_per_node=2, min_nproc=2).elastic
 
 
+def _nodes_command(nnodes: str, *flags: str) -> list[str]:
+    """`keras-dist launch` of one node of an elastic multi-node job: one
+    process, `--nnodes nnodes`, a rendezvous on a free loopback port."""
+    endpoint = f"127.0.0.1:{find_free_port()}"
+    launch = [sys.executable, "-m", "keras_dist", "launch", "--nproc-per-node", "1"]
+    return [*launch, "--nnodes", nnodes, "--rdzv-endpoint", endpoint, *flags]
+
+
 def _children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (Linux /proc)."""
     children = []
@@ -218,7 +226,6 @@ def test_two_nodes_one_lost_the_other_goes_on_and_the_job_grows_back(tmp_path):
     process stops at one agreed step (SIGTERM: kd.Checkpoint saves there);
     the job ends on 2 processes with the uninterrupted run's weights and
     per-epoch logs."""
-    endpoint = f"127.0.0.1:{find_free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_DIST")}
     env.update(
         KERAS_BACKEND=BACKEND,
@@ -228,25 +235,11 @@ def test_two_nodes_one_lost_the_other_goes_on_and_the_job_grows_back(tmp_path):
         TIMES_DIR=str(tmp_path),
         KERAS_DIST_INIT_TIMEOUT="60",
     )
-    command = [
-        sys.executable,
-        "-m",
-        "keras_dist",
-        "launch",
-        "--nproc-per-node",
-        "1",
-        "--nnodes",
+    command = _nodes_command(
         "1:2",
-        "--rdzv-endpoint",
-        endpoint,
-        "--node-timeout",
-        "3",
-        "--grace-period",
-        "5",
-        str(WORKER),
-        str(tmp_path / "ck"),
-        str(tmp_path),
-    ]
+        *("--node-timeout", "3", "--grace-period", "5"),
+        *(str(WORKER), str(tmp_path / "ck"), str(tmp_path)),
+    )
 
     def start(name: str) -> subprocess.Popen:
         with (
@@ -332,23 +325,9 @@ def test_a_node_whose_process_fails_with_no_restart_left_leaves_the_others_go_on
     script = tmp_path / "fails.py"
     script.write_text(FAILS_ON_TWO_NODES)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_DIST")}
-    command = [
-        sys.executable,
-        "-m",
-        "keras_dist",
-        "launch",
-        "--nproc-per-node",
-        "1",
-        "--nnodes",
-        "1:2",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{find_free_port()}",
-        "--node-timeout",
-        "2",
-        "--grace-period",
-        "2",
-        str(script),
-    ]
+    command = _nodes_command(
+        "1:2", "--node-timeout", "2", "--grace-period", "2", str(script)
+    )
     first = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     time.sleep(0.3)
     second = subprocess.Popen(
@@ -446,10 +425,7 @@ def test_a_node_waiting_for_others_ends_on_sigterm_or_after_the_rdzv_timeout(tmp
     env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_DIST")}
 
     def command(*flags: str) -> list[str]:
-        endpoint = f"127.0.0.1:{find_free_port()}"
-        launch = [sys.executable, "-m", "keras_dist", "launch", "--nproc-per-node"]
-        flags = ("--nnodes", "2:2", "--rdzv-endpoint", endpoint, *flags)
-        return [*launch, "1", *flags, str(script)]
+        return _nodes_command("2:2", *flags, str(script))
 
     waiting = subprocess.Popen(command(), env=env, stderr=subprocess.PIPE, text=True)
     time.sleep(2)
