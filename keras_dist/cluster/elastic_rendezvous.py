@@ -58,6 +58,7 @@ class _Node:
     port: int
     seen: float
     joined: float | None = None  # waiting for the next round since
+    answered: float = 0.0  # when its last answer was written back
     left: bool = False
 
 
@@ -117,6 +118,8 @@ class RendezvousServer:
                 request = json.loads(line)
                 answer = rendezvous._answer(request)
                 self.wfile.write((json.dumps(answer) + "\n").encode())
+                self.wfile.flush()
+                rendezvous._answered(request["node"])
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
@@ -135,18 +138,23 @@ class RendezvousServer:
 
     def wait_for_nodes_to_hear(self) -> None:
         """Before the serving node ends: give every other node alive the time
-        to ask once more (and hear that the job finished, or that it must
-        go on without this node), at most `node_timeout` seconds."""
+        to ask once more and get its answer back (that the job finished, or
+        that it goes on without this node), at most `node_timeout` seconds."""
         start = time.monotonic()
         while time.monotonic() - start < self.node_timeout:
             with self._lock:
                 now = time.monotonic()
                 if all(
-                    node.seen > start or not self._alive(node, now)
+                    node.answered > start or not self._alive(node, now)
                     for node in self._nodes.values()
                 ):
                     return
             time.sleep(0.05)
+
+    def _answered(self, name: str) -> None:
+        with self._lock:
+            if name in self._nodes:
+                self._nodes[name].answered = time.monotonic()
 
     def close(self) -> None:
         self._server.shutdown()
