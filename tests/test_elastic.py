@@ -54,6 +54,19 @@ def _launch(tmp_path, *flags: str, faults: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
 
 
+def _assert_epoch_logs(directory, history) -> None:
+    """The job's per-epoch logs (`epochs.jsonl`, the last attempt's line of
+    each epoch wins) equal the uninterrupted run's history within 1e-5."""
+    logged = {}
+    for line in (directory / "epochs.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        logged[entry.pop("epoch")] = entry
+    assert sorted(logged) == list(range(EPOCHS))
+    for epoch in range(EPOCHS):
+        expected = {name: values[epoch] for name, values in history.history.items()}
+        assert logged[epoch] == pytest.approx(expected, abs=1e-5), epoch
+
+
 @pytest.mark.backend("torch")
 def test_a_rank_lost_with_no_restart_left_the_job_goes_on_with_the_others(
     tmp_path,
@@ -81,19 +94,9 @@ def test_a_rank_lost_with_no_restart_left_the_job_goes_on_with_the_others(
     result = json.loads((tmp_path / "result-0.json").read_text())
     model, history = fit_in_this_process(tmp_path / "reference")
     weights = model.get_weights()
-    epochs = {
-        epoch: {name: values[epoch] for name, values in history.history.items()}
-        for epoch in range(EPOCHS)
-    }
     for ours, theirs in zip(result["weights"], weights, strict=True):
         np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=0)
-    logged = {}
-    for line in (tmp_path / "epochs.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        logged[entry.pop("epoch")] = entry  # the last attempt's line wins
-    assert sorted(logged) == list(range(EPOCHS))
-    for epoch, values in epochs.items():
-        assert logged[epoch] == pytest.approx(values, abs=1e-5), epoch
+    _assert_epoch_logs(tmp_path, history)
     # The second attempt ran on 2 processes and resumed (not from scratch).
     manifests = sorted((tmp_path / "ck").glob(f"step-*/{store.MANIFEST}"))
     last = json.loads(manifests[-1].read_text())
@@ -287,14 +290,7 @@ def test_two_nodes_one_lost_the_other_goes_on_and_the_job_grows_back(tmp_path):
         result = json.loads((tmp_path / f"result-{rank}.json").read_text())
         for ours, theirs in zip(result["weights"], model.get_weights(), strict=True):
             np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=0)
-    logged = {}
-    for line in (tmp_path / "epochs.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        logged[entry.pop("epoch")] = entry  # the last attempt's line wins
-    assert sorted(logged) == list(range(EPOCHS))
-    for epoch in range(EPOCHS):
-        expected = {name: values[epoch] for name, values in history.history.items()}
-        assert logged[epoch] == pytest.approx(expected, abs=1e-5), epoch
+    _assert_epoch_logs(tmp_path, history)
     back = float((tmp_path / "first-step-1.time").read_text())
     grown = float((tmp_path / "first-step-2.time").read_text())
     print(
