@@ -41,6 +41,10 @@ class GlobalBatchNorm:
         sum: Callable[[Any], Any] = lambda tensor: tensor
         index: Callable[[], Any] = lambda: 0
         count: int = 1
+        # A backend's own global moments, the same statistics in fewer ops:
+        # `(inputs, axes) -> (mean, variance)`, called when every row is real
+        # and `axes` is every axis but the channels' (torch: `global_moments`).
+        fused: Callable[[Any, tuple[int, ...]], tuple[Any, Any]] | None = None
 
     _current = threading.local()
 
@@ -114,6 +118,14 @@ class GlobalBatchNorm:
         if rows is None or (replicas.count == 1 and not cls._padded()):
             return keras_moments(inputs, mask)
         ops = keras.ops
+        if (
+            replicas.fused is not None
+            and mask is None
+            and not cls._padded()
+            and 0 in axes
+            and len(axes) == len(inputs.shape) - 1
+        ):
+            return replicas.fused(inputs, axes)
         weight = cls._row_weights(name, rows, inputs)
         if mask is None and 0 in axes:
             # Per-row sums first: as many passes over the inputs as Keras' own.

@@ -161,7 +161,7 @@ def _remove_metrics_result() -> None:
 def metrics_summed_by_keras_dist(model: Any) -> Callable[[], None]:
     """Until the returned undo, Keras' torch `get_metrics_result` gives
     `model`'s results from this process' own metric states, as Keras 3.15
-    does: keras_dist sums them over the processes itself (`_MetricSync`),
+    does: keras_dist sums them over the processes itself (`metric_sync`),
     and reaches Keras' method from its own steps, from a user's override that
     calls `super()` and from `fit`'s epoch logs alike. Nothing on a Keras
     whose torch trainer does not sum them."""

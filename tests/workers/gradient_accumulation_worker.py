@@ -5,8 +5,8 @@ accumulation and once with one batch ACCUMULATION times larger.
 Imported by tests/test_gradient_accumulation.py (JAX and TensorFlow, one
 process) and run as one rank of a PyTorch job by `tests.multiprocess.run_job`:
 Usage: python gradient_accumulation_worker.py OUTPUT_JSON
-On PyTorch every all-reduce of DDP's gradient buckets is counted through a
-communication hook (`DistributedDataParallel.register_comm_hook`).
+On PyTorch every all-reduce of DDP's gradient buckets is counted through the
+communication hook keras_dist registers (`DistributedDataParallel.register_comm_hook`).
 """
 
 from __future__ import annotations
@@ -103,27 +103,25 @@ def run(
 
 
 def count_gradient_all_reduces() -> list[list[int]]:
-    """One counter per DistributedDataParallel built from now on: how many
-    times it all-reduced a gradient bucket (through a communication hook that
-    does what DDP does without one)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    """One counter per DistributedDataParallel that gets a communication hook
+    from now on (keras_dist's DDP registers its own, `gradient_rides`): how
+    many times it all-reduced a gradient bucket."""
     from torch.nn.parallel import DistributedDataParallel
 
     counters: list[list[int]] = []
-    original = DistributedDataParallel.__init__
+    original = DistributedDataParallel.register_comm_hook
 
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
+    def register_comm_hook(self, state, hook):
         counter = [0]
         counters.append(counter)
 
-        def hook(state, bucket):
+        def counting(state, bucket):
             counter[0] += 1
-            return default_hooks.allreduce_hook(state, bucket)
+            return hook(state, bucket)
 
-        self.register_comm_hook(None, hook)
+        return original(self, state, counting)
 
-    DistributedDataParallel.__init__ = __init__
+    DistributedDataParallel.register_comm_hook = register_comm_hook
     return counters
 
 

@@ -36,8 +36,9 @@ class Trainer(kd.Trainer, keras.Model):
 
 class TorchCounts(keras.callbacks.Callback):
     """PyTorch: the DistributedDataParallel objects wrapping the model, the
-    gradient buckets its DDP all-reduces per step (a comm hook, which
-    all-reduces each through `torch.distributed.all_reduce`), and the
+    gradient buckets its DDP all-reduces per step (through the comm hook
+    keras_dist registers, which all-reduces each through
+    `torch.distributed.all_reduce`), and the
     `torch.distributed.all_reduce` calls per step (those, and the metric
     states')."""
 
@@ -53,6 +54,22 @@ class TorchCounts(keras.callbacks.Callback):
         self.keras_ddp_model = "absent"
         self._calls = 0
         self._buckets = 0
+        # keras_dist's DDP has its own comm hook (metric sums ride in the
+        # gradient all-reduce): each bucket it reduces is counted through it.
+        from torch.nn.parallel import DistributedDataParallel
+
+        self._ddp = DistributedDataParallel
+        self._register = DistributedDataParallel.register_comm_hook
+        counts = self
+
+        def register_comm_hook(ddp, state, hook):
+            def counting_hook(state, bucket):
+                counts._buckets += 1
+                return hook(state, bucket)
+
+            return counts._register(ddp, state, counting_hook)
+
+        DistributedDataParallel.register_comm_hook = register_comm_hook
 
     def _wrappers(self) -> list:
         from torch.nn.parallel import DistributedDataParallel
@@ -65,16 +82,6 @@ class TorchCounts(keras.callbacks.Callback):
         ]
 
     def on_train_begin(self, logs=None):
-        wrappers = self._wrappers()
-        if wrappers:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            def counting_hook(state, bucket):
-                self._buckets += 1
-                return default_hooks.allreduce_hook(state, bucket)
-
-            wrappers[0].register_comm_hook(None, counting_hook)
-
         def all_reduce(*args, **kwargs):
             self._calls += 1
             return self._all_reduce(*args, **kwargs)
@@ -98,6 +105,7 @@ class TorchCounts(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._distributed.all_reduce = self._all_reduce
+        self._ddp.register_comm_hook = self._register
 
 
 class DuringTheRun(keras.callbacks.Callback):

@@ -39,6 +39,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.torch import keras_internals as internals
+from keras_dist.backends.torch import metric_sync
+from keras_dist.backends.torch.global_moments import global_moments
+from keras_dist.backends.torch.gradient_rides import GradientRides
 from keras_dist.backends.torch.input_adapter import (
     ProcessLocalRankBatches,
     RankBatches,
@@ -372,12 +375,15 @@ class TorchAdapter(BackendAdapter):
 
     def _collectives(self, model: Any, user_steps: set[str]) -> internals.Collectives:
         world_size, _ = self._world()
-        forward = model
+        forward, rides = model, None
         if world_size > 1 and "train_step" not in user_steps:
             # Gradients are averaged by DDP's bucketed all-reduce during backward.
             # (The user's own train_step calls the model itself: its optimizers
             # average the gradients instead, see `average_gradients`.)
             forward = DistributedDataParallel(model)
+            # Each step's metric sums ride in the gradient all-reduce.
+            rides = GradientRides(world_size)
+            forward.register_comm_hook(None, rides.hook)
 
         def average_gradients(gradients: list[Any]) -> list[Any]:
             present = [g for g in gradients if g is not None]
@@ -420,6 +426,7 @@ class TorchAdapter(BackendAdapter):
             # DDP leaves the gradients of a backward run inside this context
             # un-reduced (gradient accumulation's micro-steps).
             skip_gradient_sync=forward.no_sync if forward is not model else None,
+            sum_in_backward=rides.ride if rides is not None else None,
         )
 
     def _broadcast_from_process_zero(self, model: Any) -> None:
@@ -506,9 +513,9 @@ class TorchAdapter(BackendAdapter):
         world_size, rank = self._world()
         # The user's own steps run as written (see `custom_steps`).
         user_steps = internals.user_steps(model)
-        # Under DDP each process keeps its own metric states (`_MetricSync`
+        # Under DDP each process keeps its own metric states (`metric_sync`
         # marks those built later); under DTensor they are global.
-        internals.mark_metric_states(
+        metric_sync.mark_metric_states(
             list(model.metrics_variables), per_process=world_size > 1 and not dtensors
         )
         # Keras 3.16's torch trainer distributes by itself once torch.distributed
@@ -610,7 +617,10 @@ class TorchAdapter(BackendAdapter):
             # normalizes over the whole global batch (SyncBatchNorm). (Sharded
             # variables: DTensor's own statistics are global, nothing is padded.)
             together = GlobalBatchNorm.Replicas(
-                sum=differentiable_all_reduce, index=lambda: rank, count=world_size
+                sum=differentiable_all_reduce,
+                index=lambda: rank,
+                count=world_size,
+                fused=global_moments,
             )
             sync = replicas > 1 and getattr(distribution, "sync_batch_norm", True)
             self._normalize_batches(

@@ -10,7 +10,7 @@ See `keras_dist.checkpoint.engine` for the interface. Every process saves
   the one copy (as it does for the replicated values under DTensor, so that
   its value wins wherever processes differ). The metric states are the
   exception: each
-  process keeps its own (`keras_internals._MetricSync` sums them into the
+  process keeps its own (`metric_sync` sums them into the
   results), so the checkpoint gets their global value (summed over processes),
   and a restore gives process 0 that sum and the other processes zeros, which
   sum to the same results on any number of processes.
@@ -170,14 +170,14 @@ def _wait_for_previous_save() -> None:
 def _per_process_metrics(state: dict[str, Any]) -> set[str]:
     """The keys of `state` whose variables each process holds its own value of
     (metric states under DDP)."""
-    from keras_dist.backends.torch import keras_internals as internals  # noqa: PLC0415
+    from keras_dist.backends.torch import metric_sync  # noqa: PLC0415
 
     if _world()[0] == 1:
         return set()
     return {
         key
         for key, variable in state.items()
-        if internals.metric_state_is_per_process(variable)
+        if metric_sync.metric_state_is_per_process(variable)
     }
 
 

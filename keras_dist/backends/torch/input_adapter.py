@@ -102,6 +102,9 @@ class RankBatches:
     def _to_device(self, leaf: Any) -> Any:
         if leaf is None:
             return None
+        if isinstance(leaf, np.ndarray) and not leaf.flags.writeable:
+            # torch would share a read-only buffer (and warn): a copy instead.
+            leaf = leaf.copy()
         return torch.as_tensor(leaf, device=self._device)
 
     def __next__(self) -> RankBatch:
@@ -119,7 +122,9 @@ class RankBatches:
         def mine(leaf: Any) -> Any:
             if leaf is None:
                 return None
-            return self._to_device(pad_rows(leaf, padded - size)[rows])
+            if padded != size:
+                leaf = pad_rows(leaf, padded - size)
+            return self._to_device(leaf[rows])
 
         mask = np.zeros((padded,), "float32")
         mask[:size] = 1.0

@@ -1,8 +1,8 @@
 """Every Keras private internal the PyTorch adapter relies on, in one place.
 
 `tests/test_keras_internals.py` calls `check()` and fails loudly when a Keras
-release moves any of these. Nothing here imports torch: the adapter hands in
-the collectives and the forward pass (through DistributedDataParallel).
+release moves any of these. The adapter hands in the collectives and the
+forward pass (through DistributedDataParallel).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 import keras
 import numpy as np
 import torch
-from keras import ops
 from keras.src.trainers.data_adapters import (
     data_adapter_utils,
     torch_data_loader_adapter,
@@ -23,6 +22,11 @@ from keras.src.trainers.data_adapters import (
 from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
 from keras_dist.backends.torch import unused_weights
+from keras_dist.backends.torch.metric_sync import (
+    MetricSync,
+    mark_metric_states,
+    metric_state_is_per_process,
+)
 from keras_dist.common.batch_norm import GlobalBatchNorm
 from keras_dist.common.padding import masked_row_weights
 from keras_dist.common.step_rows import (
@@ -73,6 +77,9 @@ class Collectives:
     # A context around the loss computation (FSDP's plain compute: weight
     # regularizers read whole weights in it).
     loss_scope: Callable[[], Any] = contextlib.nullcontext
+    # Like `start_sum`, but the sum rides in the next backward's gradient
+    # all-reduce (DDP's comm hook, `gradient_rides`); None without DDP.
+    sum_in_backward: Callable[[Any], Callable[[], None]] | None = None
 
 
 def check() -> list[str]:
@@ -185,6 +192,10 @@ def unroute_batches() -> None:
 # -- steps ---------------------------------------------------------------------
 def _weights(batch: Any) -> tuple[Any, Any, Any, Any, Any]:
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch.data)
+    if sample_weight is None and batch.padded_rows == batch.global_rows:
+        # Every row real, none weighted: Keras' own unweighted loss and metrics
+        # give the same values (weights of one are exact) for fewer ops a step.
+        return x, y, None, None, None
     mask = batch.mask
     weights = masked_row_weights(mask, sample_weight)
     # Each process averages its loss over its share of the padded batch and DDP
@@ -194,81 +205,28 @@ def _weights(batch: Any) -> tuple[Any, Any, Any, Any, Any]:
     return x, y, mask, weights, loss_weights
 
 
-class _MetricSync:
-    """Global metric results (and averaged BatchNorm statistics), one all-reduce.
-
-    The metric states are summed over processes on copies (each process keeps
-    accumulating its own rows), so the results are the exact global values, the
-    same on every process. With `average_non_trainable`, the same all-reduce
-    averages the state gradients do not sync (BatchNorm's moving statistics),
-    which then stays equal on every process. `start` launches the all-reduce so
-    that the train step can overlap it with backward; `finish` waits for it.
-    """
-
-    def __init__(
-        self, model: Any, collectives: Collectives, *, average_non_trainable: bool
-    ):
-        self._model = model
-        self._world_size = collectives.world_size
-        self._metrics = list(model.metrics_variables)
-        mark_metric_states(self._metrics, per_process=True)
-        self._shared = []
-        if average_non_trainable:
-            self._shared = [
-                v for v in model.non_trainable_variables if "float" in str(v.dtype)
-            ]
-        self._local = [ops.copy(v.value) for v in self._metrics]
-        values = [*self._local, *[v.value for v in self._shared]]
-        self._shapes = [(int(ops.size(v)), v.shape) for v in values]
-        self._flat = ops.concatenate(
-            [ops.reshape(ops.cast(v, "float64"), (-1,)) for v in values]
-        )
-        self._wait = collectives.start_sum(self._flat)
-
-    def finish(self) -> dict[str, Any]:
-        self._wait()
-        sums, offset = [], 0
-        for size, shape in self._shapes:
-            sums.append(ops.reshape(self._flat[offset : offset + size], shape))
-            offset += size
-        count = len(self._local)
-        for variable, total in zip(self._shared, sums[count:], strict=True):
-            variable.assign(ops.cast(total / self._world_size, variable.dtype))
-        for variable, total in zip(self._metrics, sums[:count], strict=True):
-            if variable.aggregation == "mean":
-                total = total / self._world_size
-            if variable.aggregation in ("sum", "mean"):
-                variable.assign(ops.cast(total, variable.dtype))
-        results = keras.tree.map_structure(
-            ops.copy, type(self._model).get_metrics_result(self._model)
-        )
-        for variable, value in zip(self._metrics, self._local, strict=True):
-            variable.assign(value)
-        return results
-
-
-_PER_PROCESS = "_keras_dist_per_process"
-
-
-def mark_metric_states(variables: list[Any], *, per_process: bool) -> None:
-    """Record whether each process holds its own value of these metric states
-    (DDP, summed by `_MetricSync`) or the same global one (one process,
-    DTensor): checkpoints save the global value of per-process states."""
-    for variable in variables:
-        setattr(variable, _PER_PROCESS, per_process)
-
-
-def metric_state_is_per_process(variable: Any) -> bool:
-    """Whether `variable` is a metric state each process holds its own value
-    of (see `mark_metric_states`)."""
-    return bool(getattr(variable, _PER_PROCESS, False))
-
-
 def _synced_results(model: Any, collectives: Collectives) -> dict[str, Any]:
-    """Global metric results now (see `_MetricSync`)."""
+    """Global metric results now (see `metric_sync`)."""
     if collectives.world_size == 1 or not model.metrics_variables:
         return type(model).get_metrics_result(model)
-    return _MetricSync(model, collectives, average_non_trainable=False).finish()
+    return _metric_sync(model, collectives, average_non_trainable=False).finish()
+
+
+def _metric_sync(
+    model: Any,
+    collectives: Collectives,
+    *,
+    average_non_trainable: bool,
+    in_backward: bool = False,
+) -> MetricSync:
+    return MetricSync(
+        model,
+        world_size=collectives.world_size,
+        start_sum=collectives.start_sum,
+        sum_in_backward=collectives.sum_in_backward if in_backward else None,
+        storage=variable_storage,
+        average_non_trainable=average_non_trainable,
+    )
 
 
 def _update_metrics(
@@ -413,7 +371,7 @@ def make_steps(
         else:
             # With the metric states, the state gradients do not sync
             # (BatchNorm's moving statistics) is averaged.
-            results = _MetricSync(
+            results = _metric_sync(
                 model, collectives, average_non_trainable=True
             ).finish()
         return global_logs(model, logs, lambda: results)
@@ -430,7 +388,7 @@ def make_steps(
         # A micro-step of gradient accumulation: no gradient all-reduce.
         local = contextlib.nullcontext if update else collectives.skip_gradient_sync
         padded = batch.padded_rows != batch.global_rows
-        with local(), GlobalBatchNorm.rows(mask, padded):
+        with local(), GlobalBatchNorm.rows(batch.mask, padded):
             y_pred = collectives.forward(x, **kwargs)
         model.zero_grad()
         with (
@@ -447,7 +405,9 @@ def make_steps(
         if collectives.world_size > 1:
             # Metric states and BatchNorm statistics are final for this step:
             # their all-reduce runs while backward computes.
-            sync = _MetricSync(model, collectives, average_non_trainable=True)
+            sync = _metric_sync(
+                model, collectives, average_non_trainable=True, in_backward=True
+            )
         if model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
         trainable = model.trainable_weights[:]
