@@ -17,6 +17,12 @@ processes as the launcher starts (one CPU device each, gloo), taking turns:
   work: `plain_keras` / `torch_loop`; keras_dist's: `keras_dist` /
   `plain_keras`). With one process the loop has no DDP and keras_dist wraps
   nothing.
+- on several processes, where the installed Keras wraps a model in DDP itself
+  once `torch.distributed` is initialized (Keras 3.16), also `keras_ddp`:
+  Keras' own multi-process `fit`, each process fitting its share of every
+  global batch (batch 512 / N) with no distribution set: the same update with
+  Keras' own per-step work on several processes, so that keras_dist's part
+  of the gap is `keras_dist` / `keras_ddp` there.
 
 The keras_dist fit also computes the accuracy metric the model was compiled
 with; the loop does not (it is what users write). Each process uses one torch
@@ -58,6 +64,7 @@ from benchmarks.mlp import (  # noqa: E402
     fit_steps,
     synthetic_data,
 )
+from keras_dist.keras_compat.torch_trainer import keras_wraps_in_ddp  # noqa: E402
 
 
 class _History:
@@ -133,6 +140,25 @@ def main() -> None:
         plain_model = build_model()
         candidates.append(
             Candidate("plain_keras", "fit, no keras_dist", fit_steps(plain_model, x, y))
+        )
+    if world_size > 1 and keras_wraps_in_ddp():
+        share = GLOBAL_BATCH // world_size
+        # This process' rows of each global batch, as keras_dist gives it.
+        rows = len(x) // GLOBAL_BATCH * GLOBAL_BATCH
+        x_own = x[:rows].reshape(-1, world_size, share, x.shape[-1])[:, rank]
+        y_own = y[:rows].reshape(-1, world_size, share)[:, rank]
+        keras_model = build_model()
+        candidates.append(
+            Candidate(
+                "keras_ddp",
+                "Keras' own DDP: fit on this process' rows, no distribution",
+                fit_steps(
+                    keras_model,
+                    x_own.reshape(-1, x.shape[-1]),
+                    y_own.reshape(-1),
+                    batch_size=share,
+                ),
+            )
         )
     timings = run_interleaved(
         candidates,

@@ -404,7 +404,7 @@ def make_steps(
         sync = None
         if collectives.world_size > 1:
             # Metric states and BatchNorm statistics are final for this step:
-            # their all-reduce runs while backward computes.
+            # their sum rides in backward's gradient all-reduce.
             sync = _metric_sync(
                 model, collectives, average_non_trainable=True, in_backward=True
             )
