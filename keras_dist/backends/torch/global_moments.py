@@ -6,11 +6,11 @@ small ops, and for Keras' channels-last inputs (`(rows, ..., channels)`) each
 op broadcasting over the last axis is several times slower on CPU than a
 contiguous pass. `global_moments` gives the same statistics from one
 `torch.autograd.Function`, the way torch's `SyncBatchNorm` works: forward takes
-this process' mean and variance from torch's own batch-norm statistics kernel
-(`torch.batch_norm_update_stats`: two passes, vectorized for channels-last),
-and combines every process' count, mean and sum of squared deviations in one
-all-reduce (each fills its slot, as in `GlobalBatchNorm`) with the parallel
-form of the two-pass variance. Backward sums the gradients of the mean and of
+this process' mean (one sum over the rows) and its sum of squared deviations
+from that mean (a second pass, stable far from zero), and combines every
+process' count, mean and sum of squared deviations in one all-reduce (each
+fills its slot, as in `GlobalBatchNorm`) with the parallel form of the
+two-pass variance. Backward sums the gradients of the mean and of
 the variance over the processes in one all-reduce and forms the input gradient
 in one fused pass (`torch.addcmul`):
 
