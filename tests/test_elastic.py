@@ -411,6 +411,55 @@ def test_rendezvous_rounds_keep_the_order_grow_back_and_name_a_lost_server():
         clients[0].join("127.0.0.1", find_free_port())
 
 
+@pytest.mark.backend_neutral  # the rendezvous alone, in this process
+def test_a_node_whose_heartbeat_heard_the_end_finishes_when_the_server_closes():
+    """The serving node closes once every node was answered after the job
+    finished; when a node's heartbeat got that answer (not its main thread),
+    its wait still ends with `finished`, not with the server named lost."""
+    from keras_dist.cluster.elastic_rendezvous import (  # noqa: PLC0415
+        RendezvousClient,
+        RendezvousServer,
+    )
+
+    endpoint = f"127.0.0.1:{find_free_port()}"
+    server = RendezvousServer(
+        endpoint, min_nodes=2, max_nodes=2, max_restarts=0, node_timeout=1.0
+    )
+    first, second = (
+        RendezvousClient(endpoint, name, timeout=20, node_timeout=1.0)
+        for name in ("a", "b")
+    )
+    closed = False
+    try:
+        threads = [
+            threading.Thread(target=c.join, args=("127.0.0.1", find_free_port()))
+            for c in (first, second)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        second.start_heartbeat()
+        second.ended(0, "")  # b's processes succeeded first: the job runs on
+        assert second.poll() == "running"
+        first.ended(0, "")  # the serving node's succeed last: finished
+        deadline = time.monotonic() + 10
+        while second.poll() != "finished":  # b's heartbeat heard it
+            assert time.monotonic() < deadline, second.poll()
+            time.sleep(0.05)
+        server.wait_for_nodes_to_hear()
+        server.close()
+        closed = True
+        started = time.monotonic()
+        assert second.wait_finished() == "finished"
+        assert time.monotonic() - started < 1.0
+    finally:
+        for client in (first, second):
+            client.close()
+        if not closed:
+            server.close()
+
+
 @pytest.mark.backend_neutral  # the launcher and its rendezvous alone
 def test_a_node_waiting_for_others_ends_on_sigterm_or_after_the_rdzv_timeout(tmp_path):
     """`--nnodes 2:2` with one node only: it waits for a round, never starting

@@ -45,6 +45,8 @@ __all__ = ["RendezvousClient", "RendezvousError", "RendezvousServer"]
 HEARTBEAT_SECONDS = 0.5
 # How long one request may take (the server answers at once).
 _REQUEST_SECONDS = 5.0
+# Answers after which a node asks no more: the job finished, or it leaves.
+_FINAL = ("finished", "leave")
 
 
 class RendezvousError(RuntimeError):
@@ -436,6 +438,13 @@ class RendezvousClient:
             try:
                 return self._ask(kind, **fields)
             except (OSError, ValueError) as error:
+                with self._lock:
+                    heard = self._state
+                if heard.get("status") in _FINAL:
+                    # The heartbeat already heard the end (the serving node
+                    # may close once this node was answered, by either
+                    # thread): the answer stands.
+                    return heard
                 if time.monotonic() - self._last_answer > self.node_timeout:
                     raise RendezvousError(
                         f"the rendezvous at {self.endpoint} did not answer for "
