@@ -475,7 +475,14 @@ from keras_dist.faults import lifecycle
 
 STATE = pathlib.Path(sys.argv[1])
 lifecycle.install(rank=1)
-grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+# A child that takes no SIGINT (Python's KeyboardInterrupt can be caught, or
+# lost while the child still imports): the rank's end must still end it.
+grandchild = subprocess.Popen([
+    sys.executable, "-c",
+    "import pathlib, signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "pathlib.Path(sys.argv[1]).write_text(''); time.sleep(600)",
+    str(STATE / "grandchild-ready"),
+])
 (STATE / "grandchild").write_text(str(grandchild.pid))
 (STATE / "tempdir").write_text(tempfile.mkdtemp())
 lifecycle.call_at_end(lambda: (STATE / "called-at-end").write_text("yes"))
@@ -494,6 +501,9 @@ with lifecycle.removed_if_stopped(str(unfinished)):
                 target=lambda: (time.sleep(0.5), lifecycle.end_now(124))
             ).start()
         raise RuntimeError("Connection closed by peer")
+    import time
+    while not (STATE / "grandchild-ready").exists():
+        time.sleep(0.01)
     (STATE / "ready").write_text("")
     # Blocked in C with the GIL released, as in a collective, where a Python
     # signal handler alone never runs: a mutex locked twice by one thread.

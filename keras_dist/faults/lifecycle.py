@@ -196,8 +196,9 @@ def preemption_grace_seconds() -> float:
 
 def stop(signum: int) -> None:
     """End this rank as a stop signal asks: remove its temporary files, flush
-    its output, then end the process (its process group when it leads one)
-    with `signum`, so that whoever started it sees that signal. SIGTERM and
+    its output, SIGTERM the processes it started (when it leads its process
+    group), then end the process with `signum`, so that whoever started it
+    sees that signal. SIGTERM and
     SIGUSR1 go to the preemption handler instead while one is registered
     (`on_preemption`).
 
@@ -564,17 +565,18 @@ def _stop_process_group() -> None:
 
 
 def _end_by_signal(signum: int) -> None:
-    """End the process (and its process group, when it leads one) with
-    `signum`; exit code 128 + `signum` where the signal cannot be reset."""
+    """End the process with `signum` (the processes it started, when it leads
+    its process group, with SIGTERM first); exit code 128 + `signum` where the
+    signal cannot be reset."""
     try:
+        # Processes this rank started go too (the launcher starts each rank as
+        # the leader of its own process group). SIGTERM, not `signum`: a
+        # Python child takes SIGINT for a KeyboardInterrupt, which it may
+        # catch, or lose while it still imports, and then it would stay.
+        _stop_process_group()
         if not _set_signal_action(signum, signal.SIG_DFL):
             return  # the exit code says it instead
-        if os.getpgid(0) == os.getpid():
-            # Processes this rank started go too (the launcher starts each
-            # rank as the leader of its own process group).
-            os.killpg(os.getpid(), signum)
-        else:
-            os.kill(os.getpid(), signum)
+        os.kill(os.getpid(), signum)
         time.sleep(1.0)  # the signal is delivered before this ends
     finally:
         os._exit(128 + int(signum))
