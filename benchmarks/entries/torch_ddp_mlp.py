@@ -24,6 +24,11 @@ processes as the launcher starts (one CPU device each, gloo), taking turns:
   Keras' own per-step work on several processes, so that keras_dist's part
   of the gap is `keras_dist` / `keras_ddp` there.
 
+With `KERAS_DIST_BENCH_JIT=1` also `keras_dist_jit` (and on one process
+`plain_keras_jit`): the same fits of a model compiled with `jit_compile=True`,
+whose step Keras' torch trainer compiles with `torch.compile` (the compile
+happens in the warm-up).
+
 The keras_dist fit also computes the accuracy metric the model was compiled
 with; the loop does not (it is what users write). Each process uses one torch
 thread. `benchmarks/scaling.py` runs this entry for 1, 2 and 4 processes
@@ -45,6 +50,7 @@ import keras_dist as kd  # noqa: E402  (joins the job before anything else)
 
 kd.initialize()
 
+import keras  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as torch_distributed  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
@@ -141,6 +147,41 @@ def main() -> None:
         candidates.append(
             Candidate("plain_keras", "fit, no keras_dist", fit_steps(plain_model, x, y))
         )
+    if os.environ.get("KERAS_DIST_BENCH_JIT") == "1":
+        jit_model = build_model()
+        jit_model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            jit_compile=True,
+        )
+        candidates.append(
+            Candidate(
+                "keras_dist_jit",
+                "keras_dist's fit, compiled with jit_compile=True",
+                fit_steps(
+                    jit_model,
+                    x,
+                    y,
+                    lambda: [kd.DistributeCallback(kd.DataParallel())],
+                ),
+            )
+        )
+        if world_size == 1:
+            plain_jit = build_model()
+            plain_jit.compile(
+                optimizer=keras.optimizers.Adam(1e-3),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+                jit_compile=True,
+            )
+            candidates.append(
+                Candidate(
+                    "plain_keras_jit",
+                    "fit, no keras_dist, jit_compile=True",
+                    fit_steps(plain_jit, x, y),
+                )
+            )
     if world_size > 1 and keras_wraps_in_ddp():
         share = GLOBAL_BATCH // world_size
         # This process' rows of each global batch, as keras_dist gives it.
