@@ -80,6 +80,18 @@ class _History:
         self.history = {"loss": [loss]}
 
 
+def _jit_model() -> keras.Model:
+    """The shared MLP compiled as `build_model` does, with `jit_compile=True`."""
+    model = build_model()
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile=True,
+    )
+    return model
+
+
 def main() -> None:
     args = entry_arguments(__doc__.splitlines()[0])
     torch.set_num_threads(1)
@@ -148,19 +160,12 @@ def main() -> None:
             Candidate("plain_keras", "fit, no keras_dist", fit_steps(plain_model, x, y))
         )
     if os.environ.get("KERAS_DIST_BENCH_JIT") == "1":
-        jit_model = build_model()
-        jit_model.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-            jit_compile=True,
-        )
         candidates.append(
             Candidate(
                 "keras_dist_jit",
                 "keras_dist's fit, compiled with jit_compile=True",
                 fit_steps(
-                    jit_model,
+                    _jit_model(),
                     x,
                     y,
                     lambda: [kd.DistributeCallback(kd.DataParallel())],
@@ -168,18 +173,11 @@ def main() -> None:
             )
         )
         if world_size == 1:
-            plain_jit = build_model()
-            plain_jit.compile(
-                optimizer=keras.optimizers.Adam(1e-3),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=["accuracy"],
-                jit_compile=True,
-            )
             candidates.append(
                 Candidate(
                     "plain_keras_jit",
                     "fit, no keras_dist, jit_compile=True",
-                    fit_steps(plain_jit, x, y),
+                    fit_steps(_jit_model(), x, y),
                 )
             )
     if world_size > 1 and keras_wraps_in_ddp():
