@@ -23,6 +23,12 @@ processes (one CPU device each, gloo), taking turns:
   algorithm with CPU ops (one all-gather of each process' mean, inverse
   standard deviation and count in forward, one all-reduce of the two gradient
   sums in backward); with CUDA tensors it would be `nn.SyncBatchNorm` itself.
+- `torch_nn_loop`: that torch.nn convnet with each process' own `BatchNorm2d`,
+  so that what synchronizing BatchNorm costs shows on each side
+  (`step_ms_added`: `keras_dist_sync_bn - keras_dist` against
+  `torch_sync_bn_loop - torch_nn_loop`), apart from what Keras' layers cost
+  against torch.nn's (`torch_loop - torch_nn_loop`: the same loop, the Keras
+  model against the torch.nn one).
 
 Both use Adam with the same learning rate and epsilon and the same loss; the
 Keras model is compiled with no extra metrics, so both read one loss per step.
@@ -184,11 +190,14 @@ class CPUSyncBatchNorm(torch.nn.BatchNorm2d):
         )
 
 
-def torch_convnet() -> torch.nn.Module:
+def torch_convnet(*, synchronized: bool = True) -> torch.nn.Module:
     """`build_model`'s convnet in plain `torch.nn` (NCHW), its BatchNorms
-    synchronized over the processes."""
+    synchronized over the processes (or, `synchronized=False`, each process'
+    own `BatchNorm2d`)."""
     torch.manual_seed(SEED)
     norm = CPUSyncBatchNorm if not torch.cuda.is_available() else None
+    if not synchronized:
+        norm = torch.nn.BatchNorm2d
     layers: list[torch.nn.Module] = []
     channels = IMAGE_SHAPE[-1]
     for filters, kernel_size, strides in ((16, 3, 1), (32, 5, 2), (48, 5, 2)):
@@ -214,7 +223,7 @@ def torch_convnet() -> torch.nn.Module:
         torch.nn.Linear(256, CLASSES),
     ]
     model = torch.nn.Sequential(*layers)
-    if norm is None:
+    if norm is None and synchronized:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model
 
@@ -288,9 +297,9 @@ def main() -> None:
 
     loop_model = build_model()
     fit_loop = hand_written_loop(loop_model, x_torch, training=True)
-    fit_sync_loop = hand_written_loop(
-        torch_convnet(), x_torch.permute(0, 3, 1, 2).contiguous()
-    )
+    x_nchw = x_torch.permute(0, 3, 1, 2).contiguous()
+    fit_sync_loop = hand_written_loop(torch_convnet(), x_nchw)
+    fit_nn_loop = hand_written_loop(torch_convnet(synchronized=False), x_nchw)
 
     candidates = [
         Candidate(
@@ -312,6 +321,11 @@ def main() -> None:
             "torch_sync_bn_loop",
             "the same convnet in torch.nn, SyncBatchNorm (CPU: same algorithm), DDP",
             fit_sync_loop,
+        ),
+        Candidate(
+            "torch_nn_loop",
+            "the same convnet in torch.nn, each process' own BatchNorm2d, DDP",
+            fit_nn_loop,
         ),
     ]
     timings = run_interleaved(
@@ -336,6 +350,20 @@ def main() -> None:
             by_name["keras_dist_sync_bn"], by_name["torch_sync_bn_loop"], strict=True
         )
     )
+    # What synchronizing BatchNorm costs each way (ms a step, pair by pair), and
+    # what Keras' layers cost against torch.nn with per-process statistics.
+    added = {
+        "keras_dist_sync_bn - keras_dist": ("keras_dist_sync_bn", "keras_dist"),
+        "torch_sync_bn_loop - torch_nn_loop": ("torch_sync_bn_loop", "torch_nn_loop"),
+        "torch_loop - torch_nn_loop": ("torch_loop", "torch_nn_loop"),
+    }
+    added_ms = {}
+    for label, (with_it, without) in added.items():
+        each = sorted(
+            1e3 * (a["median_step_s"] - b["median_step_s"])
+            for a, b in zip(by_name[with_it], by_name[without], strict=True)
+        )
+        added_ms[label] = {"each": each, "median": each[len(each) // 2]}
     if rank != 0:
         return
     params = kd_model.count_params()
@@ -351,6 +379,7 @@ def main() -> None:
             "keras_dist_sync_bn / torch_sync_bn_loop": sync_bn_anchor,
             "median": sync_bn_anchor[len(sync_bn_anchor) // 2],
         },
+        step_ms_added=added_ms,
         **timings,
     )
 
