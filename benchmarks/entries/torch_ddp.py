@@ -51,6 +51,7 @@ KERAS_BACKEND=torch PYTHONPATH=. python -m keras_dist launch --nproc-per-node 2 
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
@@ -223,7 +224,7 @@ def torch_convnet(*, synchronized: bool = True) -> torch.nn.Module:
         torch.nn.Linear(256, CLASSES),
     ]
     model = torch.nn.Sequential(*layers)
-    if norm is None and synchronized:
+    if norm is None:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model
 
@@ -344,26 +345,25 @@ def main() -> None:
     # keras_dist's default against the loop with the same semantics, pair by
     # pair (each repeat times every candidate in turn).
     by_name = {c["name"]: c["repeats"] for c in timings["candidates"]}
-    sync_bn_anchor = sorted(
-        ours["median_step_s"] / theirs["median_step_s"]
-        for ours, theirs in zip(
-            by_name["keras_dist_sync_bn"], by_name["torch_sync_bn_loop"], strict=True
+
+    def per_pair(ours: str, theirs: str, combine: Any) -> dict[str, Any]:
+        each = sorted(
+            combine(a["median_step_s"], b["median_step_s"])
+            for a, b in zip(by_name[ours], by_name[theirs], strict=True)
         )
-    )
+        return {"each": each, "median": each[len(each) // 2]}
+
+    anchor = per_pair("keras_dist_sync_bn", "torch_sync_bn_loop", operator.truediv)
     # What synchronizing BatchNorm costs each way (ms a step, pair by pair), and
     # what Keras' layers cost against torch.nn with per-process statistics.
-    added = {
-        "keras_dist_sync_bn - keras_dist": ("keras_dist_sync_bn", "keras_dist"),
-        "torch_sync_bn_loop - torch_nn_loop": ("torch_sync_bn_loop", "torch_nn_loop"),
-        "torch_loop - torch_nn_loop": ("torch_loop", "torch_nn_loop"),
-    }
-    added_ms = {}
-    for label, (with_it, without) in added.items():
-        each = sorted(
-            1e3 * (a["median_step_s"] - b["median_step_s"])
-            for a, b in zip(by_name[with_it], by_name[without], strict=True)
+    added_ms = {
+        f"{with_it} - {without}": per_pair(with_it, without, lambda a, b: 1e3 * (a - b))
+        for with_it, without in (
+            ("keras_dist_sync_bn", "keras_dist"),
+            ("torch_sync_bn_loop", "torch_nn_loop"),
+            ("torch_loop", "torch_nn_loop"),
         )
-        added_ms[label] = {"each": each, "median": each[len(each) // 2]}
+    }
     if rank != 0:
         return
     params = kd_model.count_params()
@@ -376,8 +376,8 @@ def main() -> None:
         baseline="torch_loop",
         devices_used=devices_used,
         sync_bn_step_time_ratio={
-            "keras_dist_sync_bn / torch_sync_bn_loop": sync_bn_anchor,
-            "median": sync_bn_anchor[len(sync_bn_anchor) // 2],
+            "keras_dist_sync_bn / torch_sync_bn_loop": anchor["each"],
+            "median": anchor["median"],
         },
         step_ms_added=added_ms,
         **timings,

@@ -52,7 +52,6 @@ import keras_dist as kd  # noqa: E402  (joins the job before anything else)
 
 kd.initialize()
 
-import keras  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as torch_distributed  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
@@ -82,22 +81,8 @@ class _History:
         self.history = {"loss": [loss]}
 
 
-def _recompiled(*, metrics: list, jit_compile: bool = False) -> keras.Model:
-    """The shared MLP compiled as `build_model` does, with these `metrics` and
-    `jit_compile`."""
-    model = build_model()
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=metrics,
-        jit_compile=jit_compile,
-    )
-    return model
-
-
-def _jit_model() -> keras.Model:
-    """The shared MLP compiled with `jit_compile=True`."""
-    return _recompiled(metrics=["accuracy"], jit_compile=True)
+def _keras_dist_callbacks() -> list:
+    return [kd.DistributeCallback(kd.DataParallel())]
 
 
 def main() -> None:
@@ -112,9 +97,7 @@ def main() -> None:
     x, y = synthetic_data(max(args.steps, args.warmup_steps) * GLOBAL_BATCH)
 
     kd_model = build_model()
-    fit_kd = fit_steps(
-        kd_model, x, y, lambda: [kd.DistributeCallback(kd.DataParallel())]
-    )
+    fit_kd = fit_steps(kd_model, x, y, _keras_dist_callbacks)
 
     loop_model = build_model()
     optimizer_config = loop_model.optimizer
@@ -165,12 +148,7 @@ def main() -> None:
         Candidate(
             "keras_dist_loss_only",
             "keras_dist's fit of the model compiled with the loss only",
-            fit_steps(
-                _recompiled(metrics=[]),
-                x,
-                y,
-                lambda: [kd.DistributeCallback(kd.DataParallel())],
-            ),
+            fit_steps(build_model(metrics=()), x, y, _keras_dist_callbacks),
         ),
     ]
     if world_size == 1:
@@ -182,7 +160,7 @@ def main() -> None:
             Candidate(
                 "plain_keras_loss_only",
                 "fit, no keras_dist, the loss only",
-                fit_steps(_recompiled(metrics=[]), x, y),
+                fit_steps(build_model(metrics=()), x, y),
             )
         )
     if os.environ.get("KERAS_DIST_BENCH_JIT") == "1":
@@ -190,12 +168,7 @@ def main() -> None:
             Candidate(
                 "keras_dist_jit",
                 "keras_dist's fit, compiled with jit_compile=True",
-                fit_steps(
-                    _jit_model(),
-                    x,
-                    y,
-                    lambda: [kd.DistributeCallback(kd.DataParallel())],
-                ),
+                fit_steps(build_model(jit_compile=True), x, y, _keras_dist_callbacks),
             )
         )
         if world_size == 1:
@@ -203,7 +176,7 @@ def main() -> None:
                 Candidate(
                     "plain_keras_jit",
                     "fit, no keras_dist, jit_compile=True",
-                    fit_steps(_jit_model(), x, y),
+                    fit_steps(build_model(jit_compile=True), x, y),
                 )
             )
     if world_size > 1 and keras_wraps_in_ddp():
