@@ -113,3 +113,89 @@ def test_a_batch_known_to_have_no_padding_uses_keras_own_moments():
         np.testing.assert_array_equal(
             keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)
         )
+
+
+def _keras_normalization(calls):
+    """A stand-in for a backend's one-op global normalization (torch:
+    `global_batch_norm`): Keras' own formula, recording what it was given."""
+    ops = keras.ops
+
+    def normalize(inputs, scale, offset, epsilon):
+        calls.append((scale is None, offset is None))
+        axes = tuple(range(len(inputs.shape) - 1))
+        mean, variance = ops.moments(inputs, axes)
+        outputs = ops.batch_normalization(
+            inputs, mean, variance, -1, offset=offset, scale=scale, epsilon=epsilon
+        )
+        return outputs, mean, variance
+
+    return normalize
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_a_backend_normalization_runs_in_place_of_keras_call_with_its_updates(scale):
+    """Where a backend normalizes in one op, the layer's outputs and moving
+    statistics are those of Keras' own `call`; a padded batch, one replica or
+    a call outside a keras_dist step run Keras' `call`."""
+    rng = np.random.default_rng(4)
+    x = keras.ops.convert_to_tensor(
+        (5.0 + rng.normal(size=(6, 2, 3))).astype("float32")
+    )
+
+    def layer_and_twin():
+        layers = [
+            keras.layers.BatchNormalization(momentum=0.8, scale=scale, name=f"bn{i}")
+            for i in range(2)
+        ]
+        for layer in layers:
+            layer.build(x.shape)
+            if scale:
+                layer.gamma.assign(np.array([0.5, 2.0, 1.5], "float32"))
+            layer.beta.assign(np.array([0.1, -0.2, 0.3], "float32"))
+        return layers
+
+    def run(replicas, rows, padded):
+        layer, twin = layer_and_twin()
+        undo = replace_moments(
+            layer,
+            functools.partial(GlobalBatchNorm.moments, replicas),
+            functools.partial(GlobalBatchNorm.normalize, replicas),
+        )
+        try:
+            if rows is None:
+                ours = layer(x, training=True)
+            else:
+                with GlobalBatchNorm.rows(rows, padded):
+                    ours = layer(x, training=True)
+        finally:
+            undo()
+        assert "call" not in layer.__dict__
+        keras_own = twin(x, training=True)
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(ours),
+            keras.ops.convert_to_numpy(keras_own),
+            # The stand-in's `ops.moments` and the layer's `_moments` may round
+            # differently (inputs far from zero).
+            rtol=1e-5,
+            atol=1e-5,
+        )
+        for ours_var, own_var in zip(
+            layer.non_trainable_variables, twin.non_trainable_variables, strict=True
+        ):
+            np.testing.assert_allclose(
+                keras.ops.convert_to_numpy(ours_var),
+                keras.ops.convert_to_numpy(own_var),
+                atol=1e-6,
+            )
+
+    calls = []
+    two = GlobalBatchNorm.Replicas(count=2, normalize=_keras_normalization(calls))
+    ones = keras.ops.ones((6,))
+    run(two, ones, padded=False)
+    assert calls == [(not scale, False)]
+    # Keras' own call (with keras_dist's moments) where the op does not apply.
+    run(two, ones, padded=True)
+    run(two, None, padded=False)
+    one = GlobalBatchNorm.Replicas(normalize=_keras_normalization(calls))
+    run(one, ones, padded=False)
+    assert len(calls) == 1

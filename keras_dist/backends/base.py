@@ -53,7 +53,8 @@ class BackendAdapter(abc.ABC):
         """BatchNormalization over the real rows of the batch across `replicas`
         (a `GlobalBatchNorm.Replicas`) until `deactivate(model)`."""
         moments = functools.partial(GlobalBatchNorm.moments, replicas)
-        self._on_deactivate(model, replace_moments(model, moments))
+        normalize = functools.partial(GlobalBatchNorm.normalize, replicas)
+        self._on_deactivate(model, replace_moments(model, moments, normalize))
 
     def _count_real_rows(self, model: Any) -> None:
         """Keras' loss trackers and compiled metrics, and `model.compute_loss`

@@ -45,6 +45,11 @@ class GlobalBatchNorm:
         # `(inputs, axes) -> (mean, variance)`, called when every row is real
         # and `axes` is every axis but the channels' (torch: `global_moments`).
         fused: Callable[[Any, tuple[int, ...]], tuple[Any, Any]] | None = None
+        # A backend's own global batch normalization, moments and
+        # normalization in one op each way: `(inputs, scale, offset,
+        # epsilon) -> (outputs, mean, variance)`, called when every row is
+        # real and the channels are the last axis (torch: `global_batch_norm`).
+        normalize: Callable[[Any, Any, Any, float], tuple[Any, Any, Any]] | None = None
 
     _current = threading.local()
 
@@ -97,6 +102,34 @@ class GlobalBatchNorm:
             rows = ops.ones((batch,), inputs.dtype)
         rows = ops.cast(rows, inputs.dtype)
         return ops.reshape(rows, (-1,) + (1,) * (len(inputs.shape) - 1))
+
+    @classmethod
+    def normalize(
+        cls,
+        replicas: GlobalBatchNorm.Replicas,
+        inputs: Any,
+        *,
+        axes: tuple[int, ...],
+        scale: Any,
+        offset: Any,
+        epsilon: float,
+    ) -> tuple[Any, Any, Any] | None:
+        """A training-mode BatchNormalization of `inputs` (reduced over `axes`,
+        with `scale` and `offset` or None, as the layer's gamma and beta) by
+        the backend's own op: `(outputs, mean, variance)`, the same as Keras'
+        normalization with `moments`' statistics; None where that op does not
+        apply (outside `rows(...)`, one replica, a padded batch, channels not
+        last), and the layer then runs its own `call` with `moments`."""
+        if (
+            replicas.normalize is None
+            or replicas.count == 1
+            or getattr(cls._current, "mask", None) is None
+            or cls._padded()
+            or len(inputs.shape) < 2
+            or tuple(axes) != tuple(range(len(inputs.shape) - 1))
+        ):
+            return None
+        return replicas.normalize(inputs, scale, offset, epsilon)
 
     @classmethod
     def moments(

@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.torch import keras_internals as internals
 from keras_dist.backends.torch import metric_sync
-from keras_dist.backends.torch.global_moments import global_moments
+from keras_dist.backends.torch.global_moments import global_batch_norm, global_moments
 from keras_dist.backends.torch.gradient_rides import GradientRides
 from keras_dist.backends.torch.input_adapter import (
     ProcessLocalRankBatches,
@@ -621,6 +621,7 @@ class TorchAdapter(BackendAdapter):
                 index=lambda: rank,
                 count=world_size,
                 fused=global_moments,
+                normalize=global_batch_norm,
             )
             sync = replicas > 1 and getattr(distribution, "sync_batch_norm", True)
             self._normalize_batches(

@@ -1,4 +1,10 @@
-"""BatchNormalization's global-batch moments on torch: one autograd Function.
+"""BatchNormalization over the global batch on torch, in autograd Functions.
+
+`global_batch_norm` (below) is the whole training-mode normalization of a
+channels-last layer in one Function each way, as `nn.SyncBatchNorm` is; it
+runs wherever it applies (float32, no mask, no renormalization, channels last,
+every row real). `global_moments` gives the statistics alone, for the layers
+that keep Keras' own normalization (channels first, say).
 
 `GlobalBatchNorm.moments` (common/) builds the global mean and variance from
 backend-neutral ops, and autograd differentiates each of them: on torch a dozen
@@ -91,3 +97,122 @@ class _GlobalMoments(torch.autograd.Function):
         # slope * inputs + offset, per channel: one pass.
         grad_inputs = torch.addcmul(offset.view(shape), inputs, slope.view(shape))
         return grad_inputs, None
+
+
+def global_batch_norm(
+    inputs: torch.Tensor,
+    scale: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BatchNormalization of `inputs` over every axis but the last (the
+    channels') and over every process' rows, in one autograd Function: the
+    normalized outputs, and the global mean and variance (for the moving
+    statistics; not differentiable: Keras assigns them outside the graph).
+
+    What `nn.SyncBatchNorm` does, for Keras' channels-last inputs: forward
+    combines every process' (count, mean, sum of squared deviations) in one
+    all-reduce, as `global_moments`, and normalizes with torch's own
+    batch-norm kernel (`(inputs - mean) * rsqrt(variance + epsilon) * scale +
+    offset`, one pass); backward takes this process' `sum(dy)` and
+    `sum(dy * normalized)` in one fused pass (torch's batch-norm backward
+    kernel), all-reduces them once and forms
+
+        d inputs = scale * rsqrt(variance + epsilon)
+                   * (dy - mean(dy) - normalized * mean(dy * normalized))
+
+    (global means) in two passes; `scale`'s and `offset`'s gradients are this
+    process' sums (DDP averages them). Against Keras' normalization around
+    `global_moments` this is about half the full-size passes each way. For
+    batches whose rows are all real.
+
+    torch's kernel normalizes as `inputs * a + (offset - mean * a)` with
+    `a = scale * rsqrt(variance + epsilon)`, as `nn.BatchNorm2d` does; Keras
+    subtracts the mean first. The two differ by the rounding of `mean * a`
+    (float32: about 1e-7 of `|mean| / std`), well inside the parity tests'
+    1e-5."""
+    if inputs.dim() < 2:
+        raise ValueError(
+            f"global_batch_norm normalizes inputs with a rows axis and a "
+            f"channels axis; got inputs of shape {tuple(inputs.shape)}."
+        )
+    return _GlobalBatchNorm.apply(inputs, scale, offset, float(epsilon))
+
+
+class _GlobalBatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        inputs: torch.Tensor,
+        scale: torch.Tensor | None,
+        offset: torch.Tensor | None,
+        epsilon: float,
+    ):
+        channels = inputs.shape[-1]
+        # Rows times positions by channels: a view of contiguous inputs.
+        rows = inputs.reshape(-1, channels)
+        world_size = torch_distributed.get_world_size()
+        count = rows.shape[0]
+        mean = rows.sum(0) / count
+        deviations = (rows - mean).square_().sum(0)
+        local = torch.cat([mean.new_full((1,), float(count)), mean, deviations])
+        each = local.new_zeros((world_size, local.numel()))
+        each[torch_distributed.get_rank()] = local
+        torch_distributed.all_reduce(each)
+        counts, means = each[:, :1], each[:, 1 : 1 + channels]
+        total = counts.sum()
+        global_mean = (counts * means).sum(0) / total
+        variance = (
+            each[:, 1 + channels :].sum(0)
+            + (counts * (means - global_mean).square()).sum(0)
+        ) / total
+        # torch's batch-norm kernel with the global statistics as its running
+        # ones: normalization only, in one pass.
+        outputs = torch.nn.functional.batch_norm(
+            rows, global_mean, variance, scale, offset, False, 0.0, epsilon
+        ).view(inputs.shape)
+        ctx.epsilon = epsilon
+        ctx.has_offset = offset is not None
+        ctx.save_for_backward(rows, global_mean, variance, scale, total)
+        ctx.mark_non_differentiable(global_mean, variance)
+        return outputs, global_mean, variance
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor, _mean: Any, _variance: Any):
+        rows, mean, variance, scale, total = ctx.saved_tensors
+        channels = rows.shape[1]
+        grad_rows = grad.reshape(-1, channels)
+        # sum(dy * normalized) and sum(dy) per channel, in one fused pass:
+        # torch's backward kernel in inference mode gives them as the scale's
+        # and offset's gradients.
+        _, sum_dy_normalized, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            grad_rows,
+            rows,
+            None if scale is None else scale.detach(),
+            mean,
+            variance,
+            None,
+            None,
+            False,
+            ctx.epsilon,
+            [False, True, True],
+        )
+        # Every process' loss reads the global statistics: one all-reduce.
+        sums = torch.cat([sum_dy, sum_dy_normalized])
+        torch_distributed.all_reduce(sums)
+        mean_dy = sums[:channels] / total
+        mean_dy_normalized = sums[channels:] / total
+        inverse_std = torch.rsqrt(variance + ctx.epsilon)
+        factor = inverse_std if scale is None else inverse_std * scale.detach()
+        # factor * (dy - mean_dy - (inputs - mean) * inverse_std *
+        # mean_dy_normalized): factor * dy + slope * inputs + offset.
+        slope = -factor * inverse_std * mean_dy_normalized
+        intercept = -factor * mean_dy - slope * mean
+        grad_inputs = torch.addcmul(intercept, rows, slope).addcmul_(grad_rows, factor)
+        return (
+            grad_inputs.view(grad.shape),
+            None if scale is None else sum_dy_normalized,
+            sum_dy if ctx.has_offset else None,
+            None,
+        )
