@@ -4,7 +4,8 @@ Feeds the "largest model that trains on this machine" estimate of the FSDP
 entries (see `benchmarks/README.md`): it trains an MLP of `--layers` square
 `Dense(--width)` layers (Adam, batch 64) for a few steps under
 `kd.DataParallel()`, `kd.FSDP()`, `kd.FSDP(keep_optimizer_sharded=True)`
-(`--policy fsdp_keep`) or (JAX only, `--policy native`) Keras' own
+(`--policy fsdp_keep`), either with activation checkpointing (`remat="full"`:
+`--policy fsdp_remat`, `fsdp_keep_remat`) or (JAX only, `--policy native`) Keras' own
 `ModelParallel` with the layouts `kd.FSDP` would give, or (PyTorch only,
 `--policy native`) a plain torch MLP of the same shape under FSDP2's
 `fully_shard` (per Linear and the root; `--no-reshard-after-forward` keeps
@@ -282,7 +283,11 @@ def fit_keras(
     """A few steps of `build(args)` under `policy` (`"dp"`, `"fsdp"`, or
     `"native"`: Keras' own ModelParallel, JAX); returns the parameter
     count, the steps' peak and `BackwardStart`'s figure (torch)."""
-    fsdp = kd.FSDP(keep_optimizer_sharded=policy == "fsdp_keep")
+    fsdp = kd.FSDP(
+        keep_optimizer_sharded=policy.startswith("fsdp_keep"),
+        # Activation checkpointing: each Dense recomputed in backward.
+        remat="full" if policy.endswith("_remat") else None,
+    )
     native = None
     if policy == "native":
         native = keras.distribution.ModelParallel(
@@ -447,7 +452,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--policy",
-        choices=("dp", "fsdp", "fsdp_keep", "native"),
+        choices=("dp", "fsdp", "fsdp_keep", "fsdp_remat", "fsdp_keep_remat", "native"),
         help="fsdp_keep: kd.FSDP(keep_optimizer_sharded=True); native: on JAX "
         "Keras' ModelParallel with kd.FSDP's layouts, set before the model is "
         "built; on PyTorch a torch MLP under fully_shard",

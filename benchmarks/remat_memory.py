@@ -21,14 +21,18 @@ its input kept), and prints one JSON line per run:
   the layers' modes that remat gives them (`RematPlan`, what `fit` applies).
 - `step_ms`: the median step time (after `--skip-steps`), for the cost.
 
-`--compare` runs each policy without and with remat in its own process,
-`--repeats` times, interleaved, and prints the medians and spreads of the
-savings and the step-time ratio.
+`--compare` runs each policy without and with remat in its own process (on
+PyTorch with `--processes N`, its own job of N processes under `keras-dist
+launch`; the figures are then the largest of any process), `--repeats` times,
+interleaved, and prints the medians and spreads of the savings and the
+step-time ratio.
 
 ```shell
 KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 PYTHONPATH=. \
     python benchmarks/remat_memory.py --compare --policies dp fsdp
 KERAS_BACKEND=torch PYTHONPATH=. python benchmarks/remat_memory.py --compare
+KERAS_BACKEND=torch PYTHONPATH=. python benchmarks/remat_memory.py --compare \
+    --processes 2 --policies dp fsdp
 ```
 """
 
@@ -118,6 +122,8 @@ def xla_temp_bytes(model: keras.Model, x: np.ndarray, y: np.ndarray, remat) -> i
 
 def run_once(args: argparse.Namespace) -> dict:
     if keras.backend.backend() == "torch":
+        # Joins the job under `keras-dist launch` (--processes); alone otherwise.
+        kd.initialize()
         import torch
 
         torch.set_num_threads(int(os.environ.get("REMAT_BENCH_THREADS", "2")))
@@ -150,6 +156,7 @@ def run_once(args: argparse.Namespace) -> dict:
         "xla_temp_bytes": temp,
         "backend": keras.backend.backend(),
         "devices": len(kd.list_devices()),
+        "processes": kd.num_processes(),
         "policy": args.policy,
         "remat": remat,
         "params": model.count_params(),
@@ -159,6 +166,28 @@ def run_once(args: argparse.Namespace) -> dict:
         "step_peak_bytes": peak.peak - before,
         "step_ms": 1000 * statistics.median(timer.step_times(args.skip_steps)),
     }
+
+
+def _result(stdout: str, processes: int) -> dict:
+    """One run's figures: with several processes (`keras-dist launch` prefixes
+    each line with its rank), the most bytes any process held and process 0's
+    step time."""
+    if processes == 1:
+        return json.loads(stdout.strip().splitlines()[-1])
+    each = [
+        json.loads(line.split("] ", 1)[1])
+        for line in stdout.splitlines()
+        if line.startswith("[rank ") and line.split("] ", 1)[1].startswith("{")
+    ]
+    if len(each) != processes:
+        raise SystemExit(f"expected {processes} results, got {len(each)}:\n{stdout}")
+    result = dict(each[0])
+    for key in ("backward_start_bytes", "step_peak_bytes", "xla_temp_bytes"):
+        if result[key] is not None:
+            result[key] = max(one[key] for one in each)
+    if result["processes"] != processes:
+        raise SystemExit(f"the runs did not join one job of {processes}:\n{stdout}")
+    return result
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -184,13 +213,24 @@ def compare(args: argparse.Namespace) -> None:
                     "--skip-steps",
                     str(args.skip_steps),
                 ] + (["--remat"] if remat else [])
+                env = dict(os.environ)
+                if args.processes > 1:
+                    # Each process on its own core; every process prints.
+                    command[1:1] = [
+                        "-m",
+                        "keras_dist",
+                        "launch",
+                        "--nproc-per-node",
+                        str(args.processes),
+                    ]
+                    env.setdefault("REMAT_BENCH_THREADS", "1")
                 done = subprocess.run(
-                    command, capture_output=True, text=True, check=False
+                    command, capture_output=True, text=True, check=False, env=env
                 )
                 if done.returncode:
                     raise SystemExit(done.stderr[-3000:])
                 runs.setdefault((policy, remat), []).append(
-                    json.loads(done.stdout.strip().splitlines()[-1])
+                    _result(done.stdout, args.processes)
                 )
     mib = 2**20
     for policy in args.policies:
@@ -223,6 +263,7 @@ def compare(args: argparse.Namespace) -> None:
                     "step_peak_mib_with": statistics.median(
                         r["step_peak_bytes"] / mib for r in remat
                     ),
+                    "processes": args.processes,
                     "runs": args.repeats,
                 }
             )
@@ -241,6 +282,13 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true")
     parser.add_argument("--policies", nargs="+", default=["dp"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="with --compare on PyTorch: run each under `keras-dist launch` "
+        "with this many processes (kd.FSDP shards over them)",
+    )
     args = parser.parse_args()
     if args.compare:
         compare(args)

@@ -39,13 +39,15 @@ class Block(keras.layers.Layer):
         return inputs + self.down(self.up(inputs))
 
 
-def _model(dropout: bool = True) -> keras.Model:
+def _model(dropout: bool = True, batch_norm: bool = True) -> keras.Model:
     keras.utils.set_random_seed(11)
     inputs = keras.Input((6,), name="x")
     # BatchNormalization first: after a Dense with a bias, Adam would turn the
     # bias' zero gradient's rounding noise into steps (any two exact runs
     # differ there by 1e-3).
-    hidden = keras.layers.BatchNormalization(name="norm")(inputs)
+    hidden = inputs
+    if batch_norm:
+        hidden = keras.layers.BatchNormalization(name="norm")(hidden)
     hidden = Block(6, name="block_0")(hidden)
     if dropout:
         hidden = keras.layers.Dropout(0.2, name="dropout")(hidden)
@@ -77,10 +79,10 @@ class Modes(keras.callbacks.Callback):
             }
 
 
-def _fit(distribution=None, callbacks=(), dropout=True):
+def _fit(distribution=None, callbacks=(), dropout=True, batch_norm=True):
     """Dropout masks depend on the process count on PyTorch: `dropout=False`
     for a job of several processes."""
-    model = _model(dropout)
+    model = _model(dropout, batch_norm)
     x, y = _data()
     keras.utils.set_random_seed(5)
     listed = list(callbacks)
@@ -201,9 +203,11 @@ def test_remat_arguments_are_checked_when_the_distribution_is_made():
 
 
 @pytest.mark.backend("torch")
-def test_two_process_ddp_with_remat_trains_like_plain_keras(tmp_path):
-    """2 gloo processes under DDP, each block recomputed in backward; kd.FSDP
-    with remat is refused before its first step (not supported yet)."""
+def test_two_processes_with_remat_train_like_plain_keras(tmp_path):
+    """2 gloo processes, each block recomputed in backward, under DDP, kd.FSDP
+    (DTensor compute, and plain compute as FSDP2 without BatchNormalization)
+    and a ModelParallel splitting the blocks' kernels: a recomputed layer
+    gathers its split variables again."""
     results = run_job(
         "remat_worker.py",
         [],
@@ -211,15 +215,24 @@ def test_two_process_ddp_with_remat_trains_like_plain_keras(tmp_path):
         env={"KERAS_BACKEND": "torch"},
         output_dir=tmp_path,
     )
-    Block.calls = 0
-    plain_model, plain_history = _fit(dropout=False)
+    plain = {}
+    for batch_norm in (True, False):
+        Block.calls = 0
+        plain[batch_norm] = (*_fit(dropout=False, batch_norm=batch_norm), Block.calls)
     for result in results:
-        for ours, theirs in zip(
-            result["weights"], plain_model.get_weights(), strict=True
-        ):
-            np.testing.assert_allclose(ours, theirs, atol=ATOL, rtol=0)
-        for key, values in plain_history.items():
-            np.testing.assert_allclose(result["history"][key], values, atol=ATOL)
-        assert "not supported yet" in result["refusal"]
-    # Each process recomputes its blocks: 12 calls more than the plain fit.
-    assert [result["calls"] - Block.calls for result in results] == [12, 12]
+        assert set(result) == {"ddp", "fsdp", "fsdp_plain_compute", "model_parallel"}
+        for name, fit in result.items():
+            plain_model, plain_history, plain_calls = plain[fit["batch_norm"]]
+            for ours, theirs in zip(
+                fit["weights"], plain_model.get_weights(), strict=True
+            ):
+                np.testing.assert_allclose(
+                    ours, theirs, atol=ATOL, rtol=0, err_msg=name
+                )
+            for key, values in plain_history.items():
+                np.testing.assert_allclose(
+                    fit["history"][key], values, atol=ATOL, err_msg=name
+                )
+            # Each process recomputes its blocks: 2 blocks, 3 steps an epoch,
+            # 2 epochs more than the plain fit.
+            assert fit["calls"] - plain_calls == 12, name

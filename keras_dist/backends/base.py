@@ -53,7 +53,11 @@ class BackendAdapter(abc.ABC):
         """BatchNormalization over the real rows of the batch across `replicas`
         (a `GlobalBatchNorm.Replicas`) until `deactivate(model)`."""
         moments = functools.partial(GlobalBatchNorm.moments, replicas)
-        normalize = functools.partial(GlobalBatchNorm.normalize, replicas)
+        # The layer's whole normalization too, where the backend has one op
+        # for it (torch); elsewhere Keras' own `call` around the moments.
+        normalize = None
+        if replicas.normalize is not None:
+            normalize = functools.partial(GlobalBatchNorm.normalize, replicas)
         self._on_deactivate(model, replace_moments(model, moments, normalize))
 
     def _count_real_rows(self, model: Any) -> None:

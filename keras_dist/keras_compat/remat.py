@@ -3,6 +3,7 @@ backward pass (`keras.RematScope`), read and set on layers built before."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -27,6 +28,33 @@ def set_mode(layer: Any, mode: Any) -> None:
     layer._remat_mode = mode
 
 
+def wrap_recomputed_calls(
+    layers: list[Any], wrap: Callable[[Any, Callable], Callable]
+) -> Callable[[], None]:
+    """While in effect, the call each of `layers` rematerializes (what Keras'
+    `Layer.rematerialized_call` gets: the layer's `call`, run by activation
+    checkpointing on the forward pass and again in backward) is
+    `wrap(layer, call)`; return the undo."""
+
+    def rematerialized(layer: Any) -> Callable:
+        def rematerialized_call(layer_call: Callable, *args: Any, **kwargs: Any) -> Any:
+            return type(layer).rematerialized_call(
+                layer, wrap(layer, layer_call), *args, **kwargs
+            )
+
+        return rematerialized_call
+
+    for layer in layers:
+        # On the instance, past Keras' attribute tracking.
+        layer.__dict__["rematerialized_call"] = rematerialized(layer)
+
+    def undo() -> None:
+        for layer in layers:
+            layer.__dict__.pop("rematerialized_call", None)
+
+    return undo
+
+
 def check() -> list[str]:
     """What `mode_of_scope`, `mode_of` and `set_mode` need."""
     missing = []
@@ -45,4 +73,22 @@ def check() -> list[str]:
         missing.append("Operation._remat_mode")
     if not hasattr(plain, "rematerialized_call"):
         missing.append("Layer.rematerialized_call")
+        return missing
+    # A layer with a mode hands its call to `rematerialized_call` (looked up on
+    # the instance), which `wrap_recomputed_calls` wraps.
+    wrapped = []
+
+    def wrap(layer: Any, call: Callable) -> Callable:
+        wrapped.append(layer)
+        return call
+
+    undo = wrap_recomputed_calls([plain], wrap)
+    try:
+        set_mode(plain, mode)
+        plain(keras.ops.ones((1, 3)))
+    finally:
+        set_mode(plain, None)
+        undo()
+    if wrapped != [plain] or "rematerialized_call" in plain.__dict__:
+        missing.append("Operation.__call__ -> self.rematerialized_call(self.call)")
     return missing

@@ -52,8 +52,10 @@ from keras_dist.common.batch_norm import GlobalBatchNorm
 from keras_dist.common.padding import check_same_input
 from keras_dist.common.random_streams import BackendStream, take_process_zero_streams
 from keras_dist.faults import heartbeat
+from keras_dist.keras_compat import remat as keras_remat
 from keras_dist.keras_compat import torch_trainer
 from keras_dist.keras_compat.distribution import route_output_layouts
+from keras_dist.keras_compat.layers import layers_of
 from keras_dist.keras_compat.steps import install_steps, remove_steps
 
 
@@ -499,17 +501,6 @@ class TorchAdapter(BackendAdapter):
 
     def _activate(self, model: Any, distribution: Any) -> None:
         dtensors = self._check_layouts(model, distribution)
-        if dtensors and getattr(distribution, "remat", None) is not None:
-            # Recomputing a layer gathers its shards again inside torch's
-            # checkpoint, whose backward then meets DTensors it cannot reduce.
-            raise NotImplementedError(
-                "`remat=` on PyTorch runs with replicated variables "
-                "(kd.DataParallel, or a layout that shards nothing); with "
-                "sharded ones (kd.FSDP, ModelParallel) it is not supported yet. "
-                "Leave `remat` out, or use it on JAX, where kd.FSDP and "
-                "ModelParallel support it. Received: remat="
-                f"{distribution.remat.mode!r} with {type(distribution).__name__}"
-            )
         world_size, rank = self._world()
         # The user's own steps run as written (see `custom_steps`).
         user_steps = internals.user_steps(model)
@@ -530,6 +521,14 @@ class TorchAdapter(BackendAdapter):
             run = _dtensor().ShardedRun(model, distribution).start()
             # At the end: back to plain, full tensors, an ordinary Keras model.
             self._on_deactivate(model, run.stop)
+            if getattr(distribution, "remat", None) is not None:
+                # A recomputed layer gathers its split variables again.
+                self._on_deactivate(
+                    model,
+                    keras_remat.wrap_recomputed_calls(
+                        layers_of(model)[1:], run.recomputable
+                    ),
+                )
             collectives = _dtensor().collectives(run)
             replicas, replica = 1, 0
         else:

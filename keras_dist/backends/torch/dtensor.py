@@ -367,6 +367,45 @@ class ShardedRun:
             self._hooks.append(layer.register_forward_pre_hook(enter))
             self._hooks.append(layer.register_forward_hook(leave))
 
+    # -- activation checkpointing ---------------------------------------------
+    def recomputable(self, layer: Any, call: Callable) -> Callable:
+        """`layer`'s `call` as activation checkpointing runs it (Keras'
+        `rematerialized_call`: `torch.utils.checkpoint`). The first time the
+        layer's forward pre-hook has gathered its own split variables; when
+        the backward pass runs the call again (after the forward hook freed
+        them) they are gathered again for the recomputation, as FSDP2 with
+        activation checkpointing gathers a module's parameters again. That
+        gather's autograd graph is the recomputation's, which torch throws
+        away: the gradients flow through the first forward's gather. Layers
+        inside the recomputed call gather through their own hooks; whatever a
+        recomputation gathered is released when it ends (torch stops a
+        recomputation early, past its layers' forward hooks)."""
+
+        def call_with_own_variables(*args: Any, **kwargs: Any) -> Any:
+            if self._layers and self._layers[-1] is layer:
+                # The first forward: inside the layer's hooks.
+                return call(*args, **kwargs)
+            gathered = set(self._gathered)
+            depth = len(self._layers)
+            plain = self._plain
+            held = plain.gathered_layers() if plain is not None else set()
+            self._layers.append(layer)
+            if plain is not None:
+                plain.gather_for_recomputation(layer)
+            else:
+                self._gather_own_variables(layer)
+            try:
+                return call(*args, **kwargs)
+            finally:
+                del self._layers[depth:]
+                if plain is not None:
+                    plain.release_since(held)
+                for key in [key for key in self._gathered if key not in gathered]:
+                    variable, sharded, _ = self._gathered.pop(key)
+                    internals.set_variable_storage(variable, sharded)
+
+        return call_with_own_variables
+
     # -- what keras_dist's steps enter -----------------------------------------
     @contextlib.contextmanager
     def loss_scope(self) -> Iterator[None]:

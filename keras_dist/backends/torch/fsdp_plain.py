@@ -295,6 +295,26 @@ class PlainCompute:
         self._reshard.release([whole for _, whole, _ in gathered])
         self.check_not_written(layer, gathered)
 
+    # -- activation checkpointing ----------------------------------------------
+    def gathered_layers(self) -> set[int]:
+        """The layers (ids) whose variables are gathered now."""
+        return set(self._layer_gathers)
+
+    def gather_for_recomputation(self, layer: Any) -> None:
+        """`layer`'s own variables whole again while the backward pass runs its
+        call again (`ShardedRun.recomputable`)."""
+        self._gather_layer(layer)
+
+    def release_since(self, held: set[int]) -> None:
+        """Every layer's variables gathered since `held` back to their parts
+        (a recomputation's, hook or not)."""
+        for key in [key for key in self._layer_gathers if key not in held]:
+            variables, _, _ = self._layer_gathers.pop(key)
+            wholes = [internals.variable_storage(variable) for variable in variables]
+            for variable in variables:
+                internals.set_variable_storage(variable, self._values[id(variable)])
+            self._reshard.release(wholes)
+
     def check_not_written(self, layer: Any, gathered: list[list[Any]]) -> None:
         """Refuse an assignment to a gathered whole value of a split variable
         ([variable, whole value, its version when gathered]): it would be
