@@ -52,34 +52,40 @@ def global_moments(
     return _GlobalMoments.apply(inputs, channel_axes[0])
 
 
+def _global_statistics(
+    inputs: torch.Tensor, channel_axis: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mean and variance per channel of every process' `inputs` (reduced
+    over every axis but `channel_axis`), and the global row count: this
+    process' count, mean and sum of squared deviations from that mean (a
+    second pass, stable far from zero), every process' in one all-reduce
+    (each fills its slot), combined in the parallel form of the two-pass
+    variance."""
+    channels = inputs.shape[channel_axis]
+    axes = tuple(axis for axis in range(inputs.dim()) if axis != channel_axis)
+    count = inputs.numel() // channels
+    mean = inputs.sum(axes, keepdim=True) / count
+    deviations = (inputs - mean).square_().sum(axes)
+    local = torch.cat([mean.new_full((1,), float(count)), mean.reshape(-1), deviations])
+    each = local.new_zeros((torch_distributed.get_world_size(), local.numel()))
+    each[torch_distributed.get_rank()] = local
+    torch_distributed.all_reduce(each)
+    counts, means = each[:, :1], each[:, 1 : 1 + channels]
+    total = counts.sum()
+    global_mean = (counts * means).sum(0) / total
+    spread = each[:, 1 + channels :].sum(0) + (
+        counts * (means - global_mean).square()
+    ).sum(0)
+    return global_mean, spread / total, total
+
+
 class _GlobalMoments(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, inputs: torch.Tensor, channel_axis: int):
-        world_size = torch_distributed.get_world_size()
-        rank = torch_distributed.get_rank()
-        channels = inputs.shape[channel_axis]
-        axes = tuple(axis for axis in range(inputs.dim()) if axis != channel_axis)
-        count = inputs.numel() // channels
-        # Two passes, as Keras' own moments makes, and a third: the sum of
-        # squared deviations from this process' mean (stable far from zero).
-        mean = inputs.sum(axes, keepdim=True) / count
-        deviations = (inputs - mean).square_().sum(axes)
-        # Every process' statistics in one all-reduce: each fills its slot.
-        local = torch.cat(
-            [mean.new_full((1,), float(count)), mean.reshape(-1), deviations]
-        )
-        each = local.new_zeros((world_size, local.numel()))
-        each[rank] = local
-        torch_distributed.all_reduce(each)
-        counts, means = each[:, :1], each[:, 1 : 1 + channels]
-        total = counts.sum()
-        global_mean = (counts * means).sum(0) / total
-        spread = each[:, 1 + channels :].sum(0) + (
-            counts * (means - global_mean).square()
-        ).sum(0)
+        global_mean, variance, total = _global_statistics(inputs, channel_axis)
         ctx.channel_axis = channel_axis
         ctx.save_for_backward(inputs, global_mean, total)
-        return global_mean, spread / total
+        return global_mean, variance
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -151,21 +157,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
         channels = inputs.shape[-1]
         # Rows times positions by channels: a view of contiguous inputs.
         rows = inputs.reshape(-1, channels)
-        world_size = torch_distributed.get_world_size()
-        count = rows.shape[0]
-        mean = rows.sum(0) / count
-        deviations = (rows - mean).square_().sum(0)
-        local = torch.cat([mean.new_full((1,), float(count)), mean, deviations])
-        each = local.new_zeros((world_size, local.numel()))
-        each[torch_distributed.get_rank()] = local
-        torch_distributed.all_reduce(each)
-        counts, means = each[:, :1], each[:, 1 : 1 + channels]
-        total = counts.sum()
-        global_mean = (counts * means).sum(0) / total
-        variance = (
-            each[:, 1 + channels :].sum(0)
-            + (counts * (means - global_mean).square()).sum(0)
-        ) / total
+        global_mean, variance, total = _global_statistics(rows, 1)
         # torch's batch-norm kernel with the global statistics as its running
         # ones: normalization only, in one pass.
         outputs = torch.nn.functional.batch_norm(
