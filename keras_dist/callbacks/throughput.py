@@ -9,8 +9,8 @@ from typing import Any
 import keras
 
 from keras_dist.backends import get_adapter
-from keras_dist.callbacks.peaks import peak_flops_per_device
 from keras_dist.callbacks.step_ledger import StepLedger, StepSeconds
+from keras_dist.common.accelerators import peak_flops_per_device
 from keras_dist.common.job import timeout_seconds, warn_once
 from keras_dist.common.validation import check_positive_int
 from keras_dist.flops import FlopCount, count_flops

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +23,9 @@ from keras_dist.backends.jax.input_adapter import (
     ProcessLocalBatches,
     trim_outputs,
 )
+from keras_dist.common.accelerators import memory_bytes
 from keras_dist.common.batch_norm import GlobalBatchNorm
+from keras_dist.common.prefetch import prefetch_depth
 from keras_dist.common.random_streams import take_process_zero_streams
 from keras_dist.keras_compat.optimizers import each_new_slot, slot_owners
 
@@ -125,10 +128,11 @@ class JaxAdapter(BackendAdapter):
             return None  # no such platform here (a planned, simulated mesh)
         for candidate in candidates:
             if str(candidate.id) == index and candidate.platform != "cpu":
-                # memory_stats() is None or lacks the limit on some platforms.
+                # memory_stats() is None or lacks the limit on some platforms:
+                # then the data sheet's memory of the device's kind.
                 stats = candidate.memory_stats() or {}
                 limit = stats.get("bytes_limit")
-                return int(limit) if limit else None
+                return int(limit) if limit else memory_bytes(candidate.device_kind)
         return None
 
     def num_processes(self) -> int:
@@ -333,9 +337,14 @@ class JaxAdapter(BackendAdapter):
             def batches_for_epoch(batches: Iterator[Any]) -> Iterator[Any]:
                 return ProcessLocalBatches(batches, distribution)
         else:
+            # Batches made ahead on threads on an accelerator when an
+            # execution runs several steps (the steps run while the host
+            # slices, pads and places the next ones): `prefetch_depth`.
+            platform = _mesh_platform(distribution)
+            epochs: weakref.WeakSet[DistributedBatches] = weakref.WeakSet()
 
             def batches_for_epoch(batches: Iterator[Any]) -> Iterator[Any]:
-                return DistributedBatches(
+                epoch = DistributedBatches(
                     batches,
                     distribution,
                     share_random_streams=(
@@ -343,7 +352,15 @@ class JaxAdapter(BackendAdapter):
                     ),
                     check_same_input=multi_process,
                     replicate_uneven=user_steps,
+                    prefetch=prefetch_depth(platform, _steps_per_execution(model)),
                 )
+                epochs.add(epoch)
+                return epoch
+
+            # No thread making batches outlives the run.
+            self._on_deactivate(
+                model, lambda: [epoch.close() for epoch in list(epochs)]
+            )
 
         internals.route_batches(batches_for_epoch)
         self._on_deactivate(model, internals.unroute_batches)
@@ -363,6 +380,20 @@ class JaxAdapter(BackendAdapter):
         take_process_zero_streams(
             lambda state: np.asarray(multihost_utils.broadcast_one_to_all(state))
         )
+
+
+def _steps_per_execution(model: Any) -> int:
+    """The steps one execution of `model`'s step function runs (its
+    `compile(steps_per_execution=)`), read at each epoch's start."""
+    steps = getattr(model, "steps_per_execution", 1)
+    return steps if isinstance(steps, int) and steps > 0 else 1
+
+
+def _mesh_platform(distribution: Any) -> str:
+    """The platform ("cpu", "tpu", "gpu") of the devices `distribution`'s mesh
+    spans."""
+    devices = np.asarray(distribution.device_mesh.backend_mesh.devices)
+    return devices.reshape(-1)[0].platform
 
 
 def _mesh_axes(layout: Any) -> tuple[tuple[Any, ...], dict[str, int]]:
@@ -473,6 +504,50 @@ def _host_copy_for_one_local_device(tensor: Any, layout: Any) -> np.ndarray | No
     return None
 
 
+def _placed_exactly(tensor: Any, layout: Any) -> Any:
+    """What Keras' `distribute_tensor` should lay out for `tensor` on `layout`:
+    `tensor` itself when it is on `layout` already (Keras then returns it as
+    it is, skipping its own equivalence check); a NumPy copy where
+    `device_put` would lay it out wrongly (see
+    `_host_copy_for_one_local_device`); under a keras_dist distribution, a
+    concrete array whose sharding is merely *equivalent* to `layout` put on
+    `layout` itself; else None (`tensor` as it is).
+
+    Keras keeps an array whose sharding is equivalent to the layout as it is:
+    on a one-device mesh every array on that device is, so a variable (or a
+    metric reset to zeros at an epoch's start) keeps an uncommitted
+    single-device array while the step's outputs come back on the mesh. JAX
+    keys its compiled functions on each argument's sharding and mesh, so the
+    train, test and predict steps were traced and compiled again: on the
+    second step, at every epoch's start and after `evaluate` (two or three
+    compilations of each step where one is enough). With every value of the
+    state on exactly its layout, the step's state goes in and comes out with
+    the same shardings and each step function compiles once per input
+    signature. Placing an array on a sharding of the devices it is on already
+    copies nothing."""
+    if isinstance(layout, keras.distribution.TensorLayout):
+        layout = layout.backend_layout
+    if isinstance(tensor, jax.Array) and not isinstance(tensor, jax.core.Tracer):
+        sharding = tensor.sharding
+        if sharding is layout or (
+            type(sharding) is type(layout) and sharding == layout
+        ):
+            # Placed already (a step's output written back into its variable
+            # at every epoch's end): as it is, with no further checks.
+            return tensor
+    host = _host_copy_for_one_local_device(tensor, layout)
+    if host is not None:
+        return host
+    if (
+        isinstance(tensor, jax.Array)
+        and not isinstance(tensor, jax.core.Tracer)
+        and isinstance(layout, jax.sharding.NamedSharding)
+        and getattr(keras.distribution.distribution(), "lays_out_batches_itself", False)
+    ):
+        return jax.device_put(tensor, layout)
+    return None
+
+
 def _built_shard_by_shard(variable: Any, value: Any, layout: Any) -> Any:
     """A NumPy `value` assigned to a variable laid out on a sharding, as the
     laid-out array built from the host, each device receiving only its part
@@ -505,6 +580,6 @@ internals.split_variables_at_creation(
     lambda distribution: getattr(distribution, "lays_out_variables_itself", False)
 )
 internals.read_variables_through(_gathered)
-internals.place_tensors_through(_host_copy_for_one_local_device)
+internals.place_tensors_through(_placed_exactly)
 internals.assign_host_values_through(_built_shard_by_shard)
 ADAPTER = JaxAdapter()

@@ -172,7 +172,9 @@ def place_tensors_through(prepare: Callable[[Any, Any], Any]) -> None:
     """Make Keras' JAX `distribute_tensor` (every assignment of a variable
     that has a layout: `assign`, a metric's reset, `set_weights`, a relayout;
     and `keras.distribution.distribute_tensor`) lay out `prepare(tensor,
-    layout)` instead of `tensor` when it returns something (idempotent)."""
+    layout)` instead of `tensor` when it returns something, and return
+    `tensor` as it is when `prepare` returns `tensor` itself (it is laid out
+    already) (idempotent)."""
     original = getattr(
         jax_distribution_lib.distribute_tensor,
         "_keras_dist_original",
@@ -181,6 +183,8 @@ def place_tensors_through(prepare: Callable[[Any, Any], Any]) -> None:
 
     def distribute_tensor(tensor: Any, layout: Any) -> Any:
         prepared = prepare(tensor, layout)
+        if prepared is tensor:
+            return tensor  # laid out already, as `prepare` found
         return original(tensor if prepared is None else prepared, layout)
 
     distribute_tensor._keras_dist_original = original  # type: ignore[attr-defined]

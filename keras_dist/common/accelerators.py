@@ -1,0 +1,100 @@
+"""Facts about accelerator kinds, in one table that asks nobody.
+
+What each device kind is called by the engines (`jax.Device.device_kind`:
+"TPU v5 lite", "NVIDIA H100 80GB HBM3"; `torch.cuda.get_device_name`: the
+same NVIDIA names), its dense peak FLOP/s per dtype (the denominator of MFU:
+`Throughput`, `benchmarks/accelerator.py`) and its memory (the planner's
+budget where the engine does not say it). Read by `callbacks.throughput`,
+`planner` and the benchmarks; never scattered as constants.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+
+class DeviceKind(NamedTuple):
+    """One row of the table.
+
+    Attributes:
+        pattern: a regular expression matched against the engine's name for
+            the device, lower-cased.
+        peak_16: dense peak FLOP/s in bfloat16 or float16 on the matrix units
+            (no structured sparsity), or None when not known.
+        peak_32: dense peak FLOP/s in float32, or None.
+        memory_bytes: the device's own memory (HBM), or None.
+    """
+
+    pattern: str
+    peak_16: float | None
+    peak_32: float | None
+    memory_bytes: int | None
+
+
+_GIB = 2**30
+_GB = 10**9
+# From the vendors' data sheets. TPUs multiply float32 matrices in bfloat16
+# passes at JAX's default precision: the bfloat16 peak stands for both.
+_KINDS: tuple[DeviceKind, ...] = (
+    DeviceKind(r"\bh100\b.*\bnvl\b", None, None, 94 * _GB),  # peak not in the table
+    DeviceKind(r"\bh100\b.*\bpcie\b", 756e12, 51.2e12, 80 * _GB),
+    DeviceKind(r"\bh100\b", 989e12, 66.9e12, 80 * _GB),  # SXM
+    DeviceKind(r"\bh200\b", 989e12, 66.9e12, 141 * _GB),
+    DeviceKind(r"\ba100\b.*\b40gb\b", 312e12, 19.5e12, 40 * _GB),
+    DeviceKind(r"\ba100\b", 312e12, 19.5e12, 80 * _GB),
+    DeviceKind(r"\bv100\b.*\bpcie\b", 112e12, 14e12, None),  # float16 only
+    DeviceKind(r"\bv100\b", 125e12, 15.7e12, None),  # SXM2, float16 only
+    DeviceKind(r"\bl40s\b", 362e12, 91.6e12, 48 * _GB),
+    DeviceKind(r"\bl4\b", 121e12, 30.3e12, 24 * _GB),
+    DeviceKind(r"\ba10\b", 125e12, 31.2e12, 24 * _GB),
+    DeviceKind(r"\bt4\b", 65e12, 8.1e12, 16 * _GB),  # float16 only
+    DeviceKind(r"^tpu v4$", 275e12, 275e12, 32 * _GIB),
+    DeviceKind(r"^tpu v5 lite$|^tpu v5e$", 197e12, 197e12, 16 * _GIB),
+    DeviceKind(r"^tpu v5p?$", 459e12, 459e12, 95 * _GIB),
+    DeviceKind(r"^tpu v6 lite$|^tpu v6e$", 918e12, 918e12, 32 * _GIB),
+)
+
+
+def kind_of(name: str | None) -> DeviceKind | None:
+    """The table's row for the engine's name of a device, or None (CPUs and
+    kinds not in the table)."""
+    lowered = (name or "").strip().lower()
+    for kind in _KINDS:
+        if re.search(kind.pattern, lowered):
+            return kind
+    return None
+
+
+def memory_bytes(name: str | None) -> int | None:
+    """The memory of one device of kind `name` (the data sheet's), or None.
+
+    >>> memory_bytes("TPU v5 lite") / 2**30
+    16.0
+    """
+    kind = kind_of(name)
+    return None if kind is None else kind.memory_bytes
+
+
+def peak_flops_per_device(device_kind: str | None, compute_dtype: str) -> float | None:
+    """The dense peak FLOP/s of one device of `device_kind`, or None when it
+    is not in keras_dist's table (CPUs have no meaningful peak).
+
+    Args:
+        device_kind: the engine's name for the device, e.g. "NVIDIA H100 80GB
+            HBM3" or "TPU v4" (`jax.Device.device_kind`,
+            `torch.cuda.get_device_name`).
+        compute_dtype: the dtype the model computes in; 16-bit dtypes get the
+            matrix units' 16-bit peak, anything else the float32 one.
+
+    Example:
+
+    >>> peak_flops_per_device("NVIDIA A100-SXM4-80GB", "bfloat16")
+    312000000000000.0
+    >>> peak_flops_per_device("cpu", "float32") is None
+    True
+    """
+    kind = kind_of(device_kind)
+    if kind is None:
+        return None
+    return kind.peak_16 if compute_dtype in ("bfloat16", "float16") else kind.peak_32

@@ -1,0 +1,38 @@
+"""The table of accelerator kinds (`keras_dist.common.accelerators`): what the
+engines call each device, its peak FLOP/s and its memory, read by
+`Throughput`, the planner and `benchmarks/accelerator.py`."""
+
+from __future__ import annotations
+
+import pytest
+
+from keras_dist.common.accelerators import kind_of, memory_bytes, peak_flops_per_device
+
+pytestmark = pytest.mark.backend_neutral
+
+
+@pytest.mark.parametrize(
+    ("name", "peak_16", "peak_32", "memory"),
+    [
+        # What JAX 0.10 calls the TPU v5e chip the device tool lends.
+        ("TPU v5 lite", 197e12, 197e12, 16 * 2**30),
+        ("TPU v4", 275e12, 275e12, 32 * 2**30),
+        ("NVIDIA H100 80GB HBM3", 989e12, 66.9e12, 80 * 10**9),
+        ("NVIDIA H100 PCIe", 756e12, 51.2e12, 80 * 10**9),
+        ("NVIDIA A100-SXM4-40GB", 312e12, 19.5e12, 40 * 10**9),
+        ("NVIDIA A100-SXM4-80GB", 312e12, 19.5e12, 80 * 10**9),
+    ],
+)
+def test_known_kinds(name, peak_16, peak_32, memory):
+    assert peak_flops_per_device(name, "bfloat16") == peak_16
+    assert peak_flops_per_device(name, "float16") == peak_16
+    assert peak_flops_per_device(name, "float32") == peak_32
+    assert memory_bytes(name) == memory
+    assert kind_of(name) is not None
+
+
+@pytest.mark.parametrize("name", ["cpu", "", None, "Some future accelerator"])
+def test_unknown_kinds_have_no_figures(name):
+    assert kind_of(name) is None
+    assert memory_bytes(name) is None
+    assert peak_flops_per_device(name, "bfloat16") is None

@@ -1,0 +1,107 @@
+"""Each JAX step function compiles once per input signature (issue 39).
+
+Every compilation XLA makes over `fit` (3 epochs, validation data), `fit`
+again, `evaluate`, `predict`, `fit` and `predict` again is counted through
+`jax.monitoring` in a fresh process (`workers/compile_count_worker.py`), for
+plain Keras and for keras_dist, and compared: keras_dist compiles each of
+`train_step`, `test_step` and `predict_step` once per input signature (no
+recompilation at an epoch's start, between calls or after `evaluate`), and no
+more programs than plain Keras. Before the fix a one-device mesh (one chip)
+compiled `train_step` three times and `test_step` twice: Keras kept arrays of
+the state on their device as they were while the steps' outputs came back on
+the mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.backend("jax")
+
+WORKER = Path(__file__).parent / "workers" / "compile_count_worker.py"
+STEPS = ("jit(train_step)", "jit(test_step)", "jit(predict_step)")
+
+
+def _counts(scenario: str, devices: int, tmp_path: Path) -> dict[str, dict]:
+    """Both candidates' counts, run side by side in fresh processes."""
+    env = dict(os.environ, KERAS_BACKEND="jax", KERAS_DIST_CPU_DEVICES=str(devices))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(WORKER.parent), env.get("PYTHONPATH")])
+    )
+    running = {}
+    for candidate in ("plain", "keras_dist"):
+        output = tmp_path / f"{scenario}-{candidate}.json"
+        running[candidate] = (
+            subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, candidate, str(output)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            ),
+            output,
+        )
+    results = {}
+    for candidate, (process, output) in running.items():
+        log, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, log[-3000:]
+        results[candidate] = json.loads(output.read_text())
+        assert results[candidate]["devices"] == devices
+    return results
+
+
+def _steps(counts: dict[str, int]) -> dict[str, int]:
+    return {name: counts.get(name, 0) for name in STEPS}
+
+
+def test_one_device_mesh_compiles_each_step_once(tmp_path):
+    """A mesh of one device, as on one accelerator chip."""
+    results = _counts("one_device", 1, tmp_path)
+    ours, plain = results["keras_dist"]["compiles"], results["plain"]["compiles"]
+    assert _steps(ours) == dict.fromkeys(STEPS, 1), ours
+    assert _steps(plain) == dict.fromkeys(STEPS, 1), plain
+    assert sum(ours.values()) <= sum(plain.values()), (ours, plain)
+
+
+def test_uneven_batches_compile_once_per_batch_shape(tmp_path):
+    """8 devices, 100 rows in batches of 32: the last batch (4 rows, padded to
+    8) is a second input signature, as the short batch is for plain Keras;
+    BatchNormalization's global statistics add no program."""
+    results = _counts("uneven_batch_norm", 8, tmp_path)
+    ours, plain = results["keras_dist"]["compiles"], results["plain"]["compiles"]
+    assert _steps(ours) == dict.fromkeys(STEPS, 2), ours
+    assert _steps(ours) == _steps(plain)
+    # Trimming the padded predictions adds no program (done on the host).
+    assert sum(ours.values()) <= sum(plain.values()), (ours, plain)
+    assert results["keras_dist"]["rows_predicted"] == 100
+
+
+def test_steps_per_execution_compiles_each_step_once(tmp_path):
+    results = _counts("steps_per_execution", 8, tmp_path)
+    ours, plain = results["keras_dist"]["compiles"], results["plain"]["compiles"]
+    assert _steps(ours) == dict.fromkeys(STEPS, 1), ours
+    assert sum(ours.values()) <= sum(plain.values()), (ours, plain)
+
+
+def test_split_variables_compile_each_step_once(tmp_path):
+    """`kd.FSDP` on 8 devices, the model built before: besides plain Keras'
+    programs only the slicing that splits the existing variables once, when
+    the run starts (one program per variable shape)."""
+    results = _counts("fsdp", 8, tmp_path)
+    ours, plain = results["keras_dist"]["compiles"], results["plain"]["compiles"]
+    assert _steps(ours) == dict.fromkeys(STEPS, 1), ours
+    extra = {
+        name: count - plain.get(name, 0)
+        for name, count in ours.items()
+        if count > plain.get(name, 0)
+    }
+    assert set(extra) <= {"jit(_multi_slice)"}, extra
+    # At most one per shape of the split variables (kernels 16x32 and 32x8,
+    # biases 32 and 8; Adam's slots share them), not one per call or epoch.
+    assert extra.get("jit(_multi_slice)", 0) <= 4, extra
