@@ -264,6 +264,7 @@ def _end(exit_code: int) -> None:
         _clean_up()
         _flush_output()
         _stop_process_group()
+        _remove_unfinished_saves()
     finally:
         os._exit(exit_code)
 
@@ -519,6 +520,20 @@ def _clean_up() -> None:
                 os.remove(path)
 
 
+def _remove_unfinished_saves() -> None:
+    """Remove the files of unfinished saves once more, the moment before the
+    process ends: the main thread goes on while another thread ends the
+    process, and a save that had registered its temporary name but not yet
+    created the file (`removed_if_stopped`) may create it after `_clean_up`
+    looked (seen once in a loaded test run: SIGTERM to the launcher)."""
+    for path in list(_temporaries):
+        with contextlib.suppress(OSError):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+
+
 def _remove_directory(path: str) -> None:
     """Remove `path` even while other threads (the heartbeat, the main thread
     until the process ends) still write into it: renamed first, their writes
@@ -574,6 +589,7 @@ def _end_by_signal(signum: int) -> None:
         # Python child takes SIGINT for a KeyboardInterrupt, which it may
         # catch, or lose while it still imports, and then it would stay.
         _stop_process_group()
+        _remove_unfinished_saves()
         if not _set_signal_action(signum, signal.SIG_DFL):
             return  # the exit code says it instead
         os.kill(os.getpid(), signum)
