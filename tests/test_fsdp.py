@@ -123,10 +123,12 @@ def test_fsdp_rejects_bad_arguments():
     with pytest.raises(TypeError, match="keep_optimizer_sharded='yes'"):
         kd.FSDP(mesh, keep_optimizer_sharded="yes")
     assert isinstance(kd.FSDP(mesh), keras.distribution.ModelParallel)
-    assert not kd.FSDP(mesh).keep_optimizer_sharded
-    kept = kd.FSDP(mesh, keep_optimizer_sharded=True)
-    assert kept.keep_optimizer_sharded
-    assert "keep_optimizer_sharded=True" in repr(kept)
+    # The lean path is the default (issue 40), as FSDP2's and torchtitan's.
+    assert kd.FSDP(mesh).keep_optimizer_sharded
+    assert "keep_optimizer_sharded" not in repr(kd.FSDP(mesh))
+    gathered = kd.FSDP(mesh, keep_optimizer_sharded=False)
+    assert not gathered.keep_optimizer_sharded
+    assert "keep_optimizer_sharded=False" in repr(gathered)
 
 
 @pytest.mark.backend("tensorflow")

@@ -403,6 +403,21 @@ def test_model_parallel_each_process_holds_half_of_each_sharded_variable(
                 "dense_1/bias": ["DTensor", [3], ["R"]],
             },
         ),
+        # The same with each variable split along its first dimension in
+        # collectives of its own (what a variable of 4 MiB or more gets), the
+        # others bundled: dense/bias and dense_1/kernel alone, dense/kernel
+        # (split along its second dimension) and dense_1/bias (replicated)
+        # together.
+        (
+            "model_parallel_fsdp_alone",
+            2,
+            {
+                "dense/kernel": ["DTensor", [6, 8], ["S(1)"]],
+                "dense/bias": ["DTensor", [8], ["S(0)"]],
+                "dense_1/kernel": ["DTensor", [8, 3], ["S(0)"]],
+                "dense_1/bias": ["DTensor", [3], ["R"]],
+            },
+        ),
         # FSDP x tensor parallelism on a (2, 2) mesh, 4 processes: the
         # LayoutMap's "model" split is kept and "batch" goes on another
         # dimension where 2 divides it; rows split 6 + 6 along "batch".

@@ -1,7 +1,7 @@
 """`kd.FSDP` on PyTorch, 2 gloo processes: whole weights live only while
 their layer runs (FSDP2's default `reshard_after_forward=True`); the
 optimizer's state is never whole while it is built, and with
-`keep_optimizer_sharded=True` not between calls either.
+`keep_optimizer_sharded=True` (the default) not between calls either.
 
 See `workers/torch_fsdp_reshard_worker.py`.
 """
@@ -61,3 +61,19 @@ def test_keep_optimizer_sharded_keeps_the_state_split_between_calls(results):
         assert seen["saved_state_difference"] < 1e-6, seen
         assert not seen["kept_split_after_plain_fit"], seen
         assert seen["weight_difference_after_plain_fit"] < 1e-5, seen
+
+
+def test_a_save_on_one_process_of_the_split_state_fails_clearly(results):
+    """`if rank == 0: model.save(...)` while the optimizer's state is split
+    (the default): a clear error within `KERAS_DIST_INIT_TIMEOUT` (5 s here)
+    naming the rank that did not come and the fix, never a hang."""
+    first = next(r for r in results if r["process_id"] == 0)
+    seen = first["save_on_one_process"]
+    assert seen["error"] is not None, seen
+    assert "keep_optimizer_sharded=True, the default" in seen["error"]
+    assert (
+        "call model.save / save_weights / kd.export on every process" in (seen["error"])
+    )
+    assert "keep_optimizer_sharded=False" in seen["error"]
+    assert "1" in seen["error"]  # gloo's monitored barrier names rank 1
+    assert seen["seconds"] < 60, seen

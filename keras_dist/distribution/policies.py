@@ -489,19 +489,23 @@ class FSDP(ModelParallel):
         auto_shard_dataset: see `Distribution`.
         remat: keyword only; see `Distribution` (activation checkpointing, for
             models whose activations do not fit beside their shards).
-        keep_optimizer_sharded: keyword only, PyTorch. False (the default):
-            when a call ends, the variables and the optimizer's state are
-            gathered back into whole tensors, an ordinary Keras model again.
-            True: the optimizer's state (Adam's moments: 8 bytes a parameter
-            in fp32) stays split between calls, each process holding its
-            part, and the next `fit` under this distribution goes on from
-            it; only the weights are gathered (FSDP2 keeps both split). Reading
-            that state outside a call (`model.save`, `save_weights`,
-            `kd.export`, `optimizer.variables[i].numpy()`) gathers it and is
-            collective: every process must make the same call, as Keras 3.16
-            asks for its own sharded torch variables. A `fit` without this
-            distribution gathers it back first. On JAX the state is a sharded
-            array either way; TensorFlow does not split it.
+        keep_optimizer_sharded: keyword only, PyTorch. True (the default):
+            the optimizer's state (Adam's moments: 8 bytes a parameter in
+            fp32) stays split between calls, each process holding its part,
+            and the next `fit` under this distribution goes on from it; only
+            the weights are gathered when a call ends (FSDP2 keeps both
+            split). Reading that state outside a call (`model.save`,
+            `save_weights`, `kd.export`, `optimizer.variables[i].numpy()`)
+            gathers it back into whole tensors and is collective: every
+            process must make the same call, as Keras 3.16 asks for its own
+            sharded torch variables; a save on one process only fails within
+            `KERAS_DIST_INIT_TIMEOUT` seconds with an error naming this.
+            False: the optimizer's state is gathered with the weights when a
+            call ends, an ordinary Keras model again (a save on process 0
+            alone works then), at the cost of the whole state on every
+            process between calls and at each call's end. A `fit` without
+            this distribution gathers the state back first. On JAX the state
+            is a sharded array either way; TensorFlow does not split it.
 
     Example:
 
@@ -522,7 +526,7 @@ class FSDP(ModelParallel):
         *,
         devices: Any = None,
         remat: Any = None,
-        keep_optimizer_sharded: bool = False,
+        keep_optimizer_sharded: bool = True,
     ):
         if not isinstance(keep_optimizer_sharded, bool):
             raise TypeError(
@@ -617,6 +621,6 @@ class FSDP(ModelParallel):
         return (
             f"<FSDP device_mesh={self.device_mesh}, axis={self._axis!r}, "
             f"min_size={self._min_size}"
-            + (", keep_optimizer_sharded=True" if self._keep_optimizer_sharded else "")
+            + ("" if self._keep_optimizer_sharded else ", keep_optimizer_sharded=False")
             + ">"
         )

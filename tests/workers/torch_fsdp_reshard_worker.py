@@ -18,18 +18,21 @@ the first one (here the previous layer's output) needs a gradient.
 
 The optimizer's state (`optimizer_state`): what malloc holds more after Keras
 builds Adam's slots inside a `kd.FSDP` fit (split as each is made: half of
-the 8 bytes a parameter on 2 processes), and `FSDP(keep_optimizer_sharded=
-True)`: the slots stay split between two fits, `model.save` from every
-process writes them whole, a later plain `fit` gathers them first, and the
-weights and state match one device at every point.
+the 8 bytes a parameter on 2 processes), and `kd.FSDP()` as it comes
+(`keep_optimizer_sharded=True`): the slots stay split between two fits,
+`model.save` from every process writes them whole, a later plain `fit` gathers
+them first, and the weights and state match one device at every point; a
+`model.save` on process 0 alone fails with a clear error within the timeout.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import os
 import pathlib
 import sys
+import time
 
 import worker_seed
 
@@ -140,7 +143,8 @@ def optimizer_state(x: np.ndarray, y: np.ndarray, directory: pathlib.Path) -> di
     seen: dict = {}
     states = {}
     for name, distribution in (
-        ("kept", kd.FSDP(min_size=0, keep_optimizer_sharded=True)),
+        # The default keeps the state split (issue 40).
+        ("kept", kd.FSDP(min_size=0)),
         ("one_device", None),
     ):
         worker_seed.set_random_seed(3)
@@ -191,6 +195,42 @@ def optimizer_state(x: np.ndarray, y: np.ndarray, directory: pathlib.Path) -> di
     return seen
 
 
+def save_on_one_process(x: np.ndarray, y: np.ndarray, directory: pathlib.Path) -> dict:
+    """`model.save` on process 0 alone while `kd.FSDP` keeps the optimizer's
+    state split (the default): it cannot gather the state, and says so within
+    `KERAS_DIST_INIT_TIMEOUT` seconds (5 here) instead of waiting forever.
+    Process 1 waits, outside any collective, until process 0 is done."""
+    worker_seed.set_random_seed(3)
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(kd.FSDP(min_size=0))],
+    )
+    done = directory / "one_process_save_done"
+    seen: dict = {}
+    if kd.process_id() == 0:
+        os.environ["KERAS_DIST_INIT_TIMEOUT"] = "5"
+        started = time.monotonic()
+        try:
+            model.save(directory / "rank0_only.keras")
+            seen["error"] = None
+        except RuntimeError as error:
+            seen["error"] = str(error)
+        seen["seconds"] = time.monotonic() - started
+        done.write_text("done")
+    else:
+        deadline = time.monotonic() + 120
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return seen
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 6)).astype("float32")
@@ -214,6 +254,9 @@ def main() -> None:
         "slot_build_growth": slot_build_growth(),
         "optimizer_state": optimizer_state(x, y, pathlib.Path(sys.argv[1]).parent),
         "alive_in_backward": seen,
+        "save_on_one_process": save_on_one_process(
+            x, y, pathlib.Path(sys.argv[1]).parent
+        ),
         "difference": max(
             float(np.max(np.abs(ours - theirs)))
             for ours, theirs in zip(*weights, strict=True)

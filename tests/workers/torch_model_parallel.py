@@ -241,6 +241,14 @@ def run(scenario: str) -> dict:
         return train(sharded=True)
     if scenario == "model_parallel_fsdp":
         return train(sharded=True, batch=kd.num_processes(), fsdp=True)
+    if scenario == "model_parallel_fsdp_alone":
+        # Every variable split along its first dimension gets collectives of
+        # its own (a large one's path, on this small model): gathered into and
+        # reduce-scattered from its own whole tensor, beside the bundled ones.
+        from keras_dist.backends.torch import fsdp_compute
+
+        fsdp_compute._OWN_COLLECTIVE_BYTES = 0
+        return train(sharded=True, batch=kd.num_processes(), fsdp=True)
     if scenario == "model_parallel_fsdp_2x2":
         return train(sharded=True, batch=2, fsdp=True)
     if scenario == "model_parallel_reference":

@@ -161,7 +161,7 @@ class ShardedRun:
       of size > 1; no BatchNormalization; see `fsdp_plain`): what
       FSDP2 does. Each process computes on its rows of every batch as plain
       tensors, each layer call gathers the whole values of its own variables
-      in one all-gather (`fsdp_compute`), whose backward reduce-scatters the
+      (all-gathers issued together, `fsdp_compute`), whose backward reduce-scatters the
       gradients onto their owners; the whole values are freed when the
       layer's forward ends and gathered again in its backward (inside the
       steps: `_step`); the model's outputs are gathered into the whole

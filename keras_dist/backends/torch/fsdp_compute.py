@@ -6,14 +6,19 @@ dispatch buys nothing: each layer can run on whole weights and this process'
 rows as plain tensors. `ShardedRun` then uses the autograd functions here
 instead of DTensor ops:
 
-- `gather_layer_variables`: one all-gather per layer call brings the whole
-  value of every batch-split variable the layer owns, bucketed into one
-  buffer (FSDP2 gathers a module's parameters the same way). Its backward is
-  one reduce-scatter that leaves each process the average over processes of
-  the gradients of its own part; replicated variables of the layer ride in
-  the same reduce-scatter (each process writes its gradient into every
-  process' slot), so their gradients are averaged too. The gradients come
-  back as DTensors laid out like their variables.
+- `gather_layer_variables`: at each layer call, one all-gather per
+  batch-split variable the layer owns, issued together and waited together,
+  brings its whole value, each into a buffer of its own: a value split along
+  its first dimension is that buffer, with no copy (FSDP2 gathers a module's
+  parameters into one buffer and copies each out, which holds the layer's
+  weights twice for a moment). Its backward is one reduce-scatter per
+  variable, issued together, each straight from the gradient, that leaves
+  each process the average over processes of the gradient of its own part;
+  a replicated variable's gradient is reduce-scattered from every process'
+  whole gradient written into every process' slot, so it is averaged too.
+  The gradients come back as DTensors laid out like their variables.
+  (Measured in `benchmarks/README.md`: one buffer per layer, copied in and
+  out, put the whole run's peak above `fully_shard`'s.)
 - `ReshardAfterForward` / `Regather`: the whole values live only while their
   layer's forward runs (FSDP2's default, `reshard_after_forward=True`). What
   the layer's ops save of them for backward is saved as a handle
@@ -109,35 +114,75 @@ def _pad_along(tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return padded
 
 
+# A variable split along its first dimension whose whole value has at least
+# this many bytes is gathered, and its gradient reduce-scattered, by a
+# collective of its own (into, and straight from, its own whole tensor), the
+# layer's other variables together in one. Below it, one more collective costs
+# more time than copying the value through a shared buffer (on gloo, a
+# collective's fixed cost is a fraction of a millisecond, about what copying
+# 4 MiB takes); above it the copy is what would lift the peak (the layer's
+# weights, or gradients, held twice: `benchmarks/README.md`).
+_OWN_COLLECTIVE_BYTES = 4 * 2**20
+
+
+def _alone(spec: _Spec, element_size: int) -> bool:
+    """Whether `spec`'s variable gets collectives of its own (see above);
+    decided from the global shape, so every process decides alike."""
+    return spec.dim == 0 and math.prod(spec.shape) * element_size >= (
+        _OWN_COLLECTIVE_BYTES
+    )
+
+
 def _gather_wholes(
     batch: BatchGroup, specs: Sequence[_Spec], locals_: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, ...]:
     """Whole plain values from this process' parts (`locals_`, laid out as
-    `specs` say), in one all-gather (a collective: every process calls it)."""
+    `specs` say): a large variable split along its first dimension in an
+    all-gather of its own, into a buffer that is its whole value (no copy);
+    the others in one all-gather into a shared buffer, copied out. The
+    collectives (every process calls them) are issued together and waited
+    together."""
     parts = batch.size
-    split = [
-        _pad_along(local, spec.dim, spec.padded_shape(parts)[spec.dim]).reshape(-1)
-        for spec, local in zip(specs, locals_, strict=True)
-        if spec.dim is not None
-    ]
-    outputs: list[torch.Tensor] = []
-    gathered = None
-    if split:
-        send = torch.cat(split) if len(split) > 1 else split[0]
-        gathered = send.new_empty(parts * send.numel())
-        _all_gather(gathered, send.contiguous(), group=batch.group)
-        gathered = gathered.view(parts, send.numel())
-    offset = 0
-    for spec, local in zip(specs, locals_, strict=True):
+    blocks: list[torch.Tensor | None] = [None] * len(specs)
+    pending = []
+    bundled = []
+    for index, (spec, local) in enumerate(zip(specs, locals_, strict=True)):
         if spec.dim is None:
+            continue
+        padded = _pad_along(local, spec.dim, spec.padded_shape(parts)[spec.dim])
+        if not _alone(spec, local.element_size()):
+            bundled.append((index, padded.reshape(-1)))
+            continue
+        send = padded.contiguous().reshape(-1)
+        whole = send.new_empty(parts * send.numel())
+        pending.append(_all_gather(whole, send, group=batch.group, async_op=True))
+        blocks[index] = whole.view(parts, *spec.padded_shape(parts))
+    gathered = None
+    if bundled:
+        send = torch.cat([flat for _, flat in bundled])
+        gathered = send.new_empty(parts * send.numel())
+        pending.append(_all_gather(gathered, send, group=batch.group, async_op=True))
+    for work in pending:
+        work.wait()
+    if gathered is not None:
+        gathered = gathered.view(parts, -1)
+        offset = 0
+        for index, flat in bundled:
+            padded_shape = specs[index].padded_shape(parts)
+            blocks[index] = gathered[:, offset : offset + flat.numel()].reshape(
+                parts, *padded_shape
+            )
+            offset += flat.numel()
+    outputs: list[torch.Tensor] = []
+    for spec, local, block in zip(specs, locals_, blocks, strict=True):
+        if block is None:
             outputs.append(local.view_as(local))
             continue
         padded = spec.padded_shape(parts)
-        count = math.prod(padded)
-        block = gathered[:, offset : offset + count].reshape(parts, *padded)
-        offset += count
         # (parts, ..., part, ...) -> (..., parts * part, ...), then the padding
-        # at the end of the split dimension cut off.
+        # at the end of the split dimension cut off (a view of the buffer for
+        # a variable gathered alone, split along its first dimension and not
+        # padded).
         whole = block.movedim(0, spec.dim).reshape(
             *padded[: spec.dim], -1, *padded[spec.dim + 1 :]
         )
@@ -193,9 +238,13 @@ class _GatherLayer(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         batch, specs = ctx.batch, ctx.specs
         parts = batch.size
-        rows: list[torch.Tensor] = []  # each (parts, n): what goes to each process
-        for spec, grad, needed in zip(
-            specs, grads, ctx.needs_input_grad[3:], strict=True
+        # Each (parts, n): what goes to each process. A large variable split
+        # along its first dimension is reduce-scattered alone, straight from
+        # its gradient (a view); the others from one buffer they are copied
+        # into (see `_OWN_COLLECTIVE_BYTES`).
+        rows: dict[int, torch.Tensor] = {}
+        for index, (spec, grad, needed) in enumerate(
+            zip(specs, grads, ctx.needs_input_grad[3:], strict=True)
         ):
             if grad is None or not needed:
                 continue
@@ -203,42 +252,58 @@ class _GatherLayer(torch.autograd.Function):
                 # Every process receives this process' whole gradient: the
                 # reduce-scatter sums it over processes (an all-reduce).
                 flat = grad.reshape(1, -1)
-                rows.append(flat.expand(parts, flat.shape[1]))
+                rows[index] = flat.expand(parts, flat.shape[1])
                 continue
             padded = spec.padded_shape(parts)
             grad = _pad_along(grad, spec.dim, padded[spec.dim] * parts)
             split = grad.reshape(
                 *padded[: spec.dim], parts, padded[spec.dim], *padded[spec.dim + 1 :]
             )
-            rows.append(split.movedim(spec.dim, 0).reshape(parts, -1))
+            rows[index] = split.movedim(spec.dim, 0).reshape(parts, -1)
         if not rows:
             return (None, None, None, *(None for _ in specs))
-        send = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]
-        received = send.new_empty(send.shape[1])
-        _reduce_scatter(received, send.reshape(-1), group=batch.group)
-        received.div_(parts)
+        received: dict[int, torch.Tensor] = {}
+        pending = []
+        bundled = []
+        for index, row in rows.items():
+            if not _alone(specs[index], row.element_size()):
+                bundled.append(index)
+                continue
+            received[index] = row.new_empty(row.shape[1])
+            pending.append(
+                _reduce_scatter(
+                    received[index], row.reshape(-1), group=batch.group, async_op=True
+                )
+            )
+        if bundled:
+            send = torch.cat([rows[index] for index in bundled], dim=1)
+            together = send.new_empty(send.shape[1])
+            pending.append(
+                _reduce_scatter(
+                    together, send.reshape(-1), group=batch.group, async_op=True
+                )
+            )
+            offset = 0
+            for index in bundled:
+                width = rows[index].shape[1]
+                received[index] = together[offset : offset + width]
+                offset += width
+        del rows
+        for work in pending:
+            work.wait()
         results: list[Any] = []
-        offset = 0
-        for spec, grad, needed in zip(
-            specs, grads, ctx.needs_input_grad[3:], strict=True
-        ):
-            if grad is None or not needed:
+        for index, spec in enumerate(specs):
+            part = received.get(index)
+            if part is None:
                 results.append(None)
                 continue
+            part.div_(parts)
             if spec.dim is None:
-                count = math.prod(spec.shape)
-                local = received[offset : offset + count].view(spec.shape)
+                local = part.view(spec.shape)
             else:
                 padded = spec.padded_shape(parts)
-                count = math.prod(padded)
                 _, length = chunk_bounds(spec.shape[spec.dim], parts, batch.index)
-                local = (
-                    received[offset : offset + count]
-                    .view(padded)
-                    .narrow(spec.dim, 0, length)
-                    .contiguous()
-                )
-            offset += count
+                local = part.view(padded).narrow(spec.dim, 0, length).contiguous()
             results.append(
                 DTensor.from_local(
                     local,
@@ -256,8 +321,9 @@ def gather_layer_variables(
     batch: BatchGroup, mesh: Any, batch_axis: int, values: Sequence[DTensor]
 ) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[Regather, int], ...]]:
     """Whole plain values of `values` (DTensors split along mesh axis
-    `batch_axis`, or replicated along it), in one all-gather per dtype; their
-    gradients are reduce-scattered (averaged) in one collective per dtype.
+    `batch_axis`, or replicated along it), gathered together per dtype (one
+    all-gather per split variable, see the module); their gradients are
+    reduce-scattered (averaged) together per dtype.
     With each value, how to gather it again: its bucket's `Regather` and its
     index there (for `ReshardAfterForward.hold`)."""
     by_dtype: dict[torch.dtype, list[int]] = {}

@@ -8,13 +8,15 @@
   no longer holds is freed at once (`free`).
 - The optimizer's slots Keras builds during a call are split as each is made
   (`split_slot`, `split_when_made`), and with
-  `FSDP(keep_optimizer_sharded=True)` they stay split between calls
-  (`rest`, `take_resting`, `gather_resting`).
+  `FSDP(keep_optimizer_sharded=True)` (the default) they stay split between
+  calls (`rest`, `take_resting`, `gather_resting`); reading one outside a call
+  gathers them all once every process reads (a bounded barrier first).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 import keras
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -29,6 +32,7 @@ from keras_dist.backends.torch import keras_internals as internals
 from keras_dist.backends.torch.fsdp_compute import to_full
 from keras_dist.backends.torch.fsdp_plain import read_variable
 from keras_dist.backends.torch.placements import is_sharded, placements, torch_mesh
+from keras_dist.common import job
 from keras_dist.keras_compat.optimizers import each_new_slot
 
 # -- while a run is active, variables read and assign like plain ones ----------
@@ -75,7 +79,7 @@ def _as_placed(current: Any, value: Any) -> Any:
 
 def patch_variables() -> None:
     if not _variable_patches:
-        undo_read = internals.convert_variables_to_numpy_via(to_full)
+        undo_read = internals.convert_variables_to_numpy_via(_whole)
         undo_write = internals.assign_variables_via(_as_placed)
         undo_value = internals.read_variables_via(read_variable)
 
@@ -172,10 +176,69 @@ def split_when_made(model: Any, distribution: Any) -> Iterator[None]:
 
 
 # -- the optimizer's state kept split between calls --------------------------------
-# `FSDP(keep_optimizer_sharded=True)`: id(model) -> the slots its last run left
-# split. While any are, the variable patches stay on (reading one gathers it,
-# assigning one keeps this process' part).
+# `FSDP(keep_optimizer_sharded=True)` (the default): id(model) -> the slots its
+# last run left split. While any are, the variable patches stay on (reading one
+# gathers them all, assigning one keeps this process' part).
 _resting: dict[int, list[Any]] = {}
+# id(the DTensor a resting slot holds) -> id(its model).
+_resting_values: dict[int, int] = {}
+
+
+def _whole(value: Any) -> Any:
+    """The whole value of `value` for NumPy: a resting slot (the optimizer
+    state a run left split) gathers every resting slot of its model back
+    into whole tensors first, once every process is reading too
+    (`_gather_resting_to_read`); a DTensor a run holds is gathered."""
+    key = _resting_values.get(id(value)) if isinstance(value, DTensor) else None
+    if key is not None:
+        return _gather_resting_to_read(key)[id(value)]
+    return to_full(value)
+
+
+def _gather_resting_to_read(key: int) -> dict[int, Any]:
+    """Gather the slots model `key`'s last run left split back into whole
+    tensors, to be read (`model.save`, `save_weights`, `kd.export`, NumPy):
+    a collective, so every process must be reading them. A bounded barrier
+    first: a read on some processes only (`model.save` on process 0 alone)
+    fails within `KERAS_DIST_INIT_TIMEOUT` seconds with an error naming the
+    processes that did not come and the fix, instead of waiting forever in
+    the gather. Returns id(old DTensor) -> its whole value."""
+    slots = _resting.get(key, [])
+    _everyone_reads(len(slots))
+    gathered = {}
+    for slot in take_resting_by_key(key):
+        value = internals.variable_storage(slot)
+        gather(slot)
+        gathered[id(value)] = internals.variable_storage(slot)
+    return gathered
+
+
+def _everyone_reads(slots: int) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_world_size() == 1:
+        return
+    seconds = job.timeout_seconds()
+    try:
+        if dist.get_backend() == "gloo":
+            # Names the ranks that did not come.
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds))
+        else:  # nccl: the process group's own timeout applies
+            dist.barrier()
+    except Exception as error:  # torch raises DistBackendError, RuntimeError
+        raise RuntimeError(
+            f"Process {dist.get_rank()} reads the optimizer state that kd.FSDP "
+            f"keeps split between calls ({slots} variables; "
+            "keep_optimizer_sharded=True, the default), which gathers it from "
+            "every process, but not every process read it within "
+            f"{seconds:g} s ({job.TIMEOUT_VARIABLE}): {error}. A save made on "
+            "one process only (`if rank == 0: model.save(...)`) cannot gather "
+            "it. Fix: call model.save / save_weights / kd.export on every "
+            "process (process 0 writes the file, the others write nothing), "
+            "save with kd.Checkpoint, or pass "
+            "kd.FSDP(keep_optimizer_sharded=False) to gather the state when "
+            "each call ends."
+        ) from error
 
 
 def gather(variable: Any) -> None:
@@ -192,22 +255,36 @@ def gather(variable: Any) -> None:
 
 def rest(model: Any, slots: list[Any]) -> None:
     _resting[id(model)] = slots
+    for slot in slots:
+        _resting_values[id(internals.variable_storage(slot))] = id(model)
     patch_variables()
     weakref.finalize(model, _forget_resting, id(model), slots)
+
+
+def _forget_values(key: int) -> None:
+    for value, owner in list(_resting_values.items()):
+        if owner == key:
+            del _resting_values[value]
 
 
 def _forget_resting(key: int, slots: list[Any]) -> None:
     if _resting.get(key) is slots:
         del _resting[key]
+        _forget_values(key)
         unpatch_variables()
 
 
 def take_resting(model: Any) -> list[Any]:
     """The slots `model`'s last run left split, no longer resting (a run takes
     them over, or they are gathered next)."""
-    slots = _resting.pop(id(model), None)
+    return take_resting_by_key(id(model))
+
+
+def take_resting_by_key(key: int) -> list[Any]:
+    slots = _resting.pop(key, None)
     if slots is None:
         return []
+    _forget_values(key)
     unpatch_variables()
     return slots
 
