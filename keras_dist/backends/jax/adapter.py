@@ -527,7 +527,8 @@ def _placed_exactly(tensor: Any, layout: Any) -> Any:
     copies nothing."""
     if isinstance(layout, keras.distribution.TensorLayout):
         layout = layout.backend_layout
-    if isinstance(tensor, jax.Array) and not isinstance(tensor, jax.core.Tracer):
+    concrete = isinstance(tensor, jax.Array) and not isinstance(tensor, jax.core.Tracer)
+    if concrete:
         sharding = tensor.sharding
         if sharding is layout or (
             type(sharding) is type(layout) and sharding == layout
@@ -539,8 +540,7 @@ def _placed_exactly(tensor: Any, layout: Any) -> Any:
     if host is not None:
         return host
     if (
-        isinstance(tensor, jax.Array)
-        and not isinstance(tensor, jax.core.Tracer)
+        concrete
         and isinstance(layout, jax.sharding.NamedSharding)
         and getattr(keras.distribution.distribution(), "lays_out_batches_itself", False)
     ):

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +23,6 @@ from typing import Any
 import keras
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -214,20 +212,16 @@ def _gather_resting_to_read(key: int) -> dict[int, Any]:
 
 
 def _everyone_reads(slots: int) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        return
-    if dist.get_world_size() == 1:
-        return
+    # The adapter's bounded barrier (gloo's monitored barrier names the ranks
+    # that did not come); imported here, the adapter imports this module.
+    from keras_dist.backends.torch.adapter import ADAPTER  # noqa: PLC0415
+
     seconds = job.timeout_seconds()
     try:
-        if dist.get_backend() == "gloo":
-            # Names the ranks that did not come.
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds))
-        else:  # nccl: the process group's own timeout applies
-            dist.barrier()
-    except Exception as error:  # torch raises DistBackendError, RuntimeError
+        ADAPTER.barrier("read the optimizer state", timeout_seconds=seconds)
+    except RuntimeError as error:
         raise RuntimeError(
-            f"Process {dist.get_rank()} reads the optimizer state that kd.FSDP "
+            f"Process {ADAPTER.process_id()} reads the optimizer state that kd.FSDP "
             f"keeps split between calls ({slots} variables; "
             "keep_optimizer_sharded=True, the default), which gathers it from "
             "every process, but not every process read it within "
