@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.torch import keras_internals as internals
-from keras_dist.backends.torch import metric_sync
+from keras_dist.backends.torch import metric_sync, process_group
 from keras_dist.backends.torch.global_moments import global_batch_norm, global_moments
 from keras_dist.backends.torch.gradient_rides import GradientRides
 from keras_dist.backends.torch.input_adapter import (
@@ -152,9 +152,7 @@ class TorchAdapter(BackendAdapter):
             )
 
     def _world(self) -> tuple[int, int]:
-        if torch_distributed.is_available() and torch_distributed.is_initialized():
-            return torch_distributed.get_world_size(), torch_distributed.get_rank()
-        return 1, 0
+        return process_group.world()
 
     def list_devices(self, device_type: str | None = None) -> list[str]:
         device_type = device_type or _accelerator_type() or "cpu"
@@ -223,15 +221,8 @@ class TorchAdapter(BackendAdapter):
             set_timeout(datetime.timedelta(seconds=outlast))
 
     def barrier(self, name: str, *, timeout_seconds: float) -> None:
-        if self._world()[0] == 1:
-            return
-        timeout = datetime.timedelta(seconds=timeout_seconds)
         try:
-            if torch_distributed.get_backend() == "gloo":
-                # Names the ranks that did not arrive.
-                torch_distributed.monitored_barrier(timeout=timeout)
-            else:  # nccl: the process group's own timeout applies
-                torch_distributed.barrier()
+            process_group.bounded_barrier(timeout_seconds)
         except Exception as error:  # torch raises DistBackendError, RuntimeError
             raise self._barrier_timed_out(name, timeout_seconds, error) from error
 

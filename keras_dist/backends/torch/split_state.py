@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from keras_dist.backends.torch import keras_internals as internals
+from keras_dist.backends.torch import process_group
 from keras_dist.backends.torch.fsdp_compute import to_full
 from keras_dist.backends.torch.fsdp_plain import read_variable
 from keras_dist.backends.torch.placements import is_sharded, placements, torch_mesh
@@ -212,17 +213,14 @@ def _gather_resting_to_read(key: int) -> dict[int, Any]:
 
 
 def _everyone_reads(slots: int) -> None:
-    # The adapter's bounded barrier (gloo's monitored barrier names the ranks
-    # that did not come); imported here, the adapter imports this module.
-    from keras_dist.backends.torch.adapter import ADAPTER  # noqa: PLC0415
-
     seconds = job.timeout_seconds()
     try:
-        ADAPTER.barrier("read the optimizer state", timeout_seconds=seconds)
-    except RuntimeError as error:
+        process_group.bounded_barrier(seconds)
+    except Exception as error:  # torch raises DistBackendError, RuntimeError
+        rank = process_group.world()[1]
         raise RuntimeError(
-            f"Process {ADAPTER.process_id()} reads the optimizer state that kd.FSDP "
-            f"keeps split between calls ({slots} variables; "
+            f"Process {rank} reads the optimizer state that kd.FSDP keeps split "
+            f"between calls ({slots} variables; "
             "keep_optimizer_sharded=True, the default), which gathers it from "
             "every process, but not every process read it within "
             f"{seconds:g} s ({job.TIMEOUT_VARIABLE}): {error}. A save made on "
