@@ -11,9 +11,13 @@ with activation checkpointing (`remat="full"`: `--policy fsdp_remat`,
 `ModelParallel` with the layouts `kd.FSDP` would give, or (PyTorch only,
 `--policy native`) a plain torch MLP of the same shape under FSDP2's
 `fully_shard` (per Linear and the root; `--no-reshard-after-forward` keeps
-each layer's gathered weights until its backward) with `torch.optim.Adam`,
-and prints, as JSON, the parameter count and, per parameter, how much more
-the process held at its peak than before the model was built:
+each layer's gathered weights until its backward) with `torch.optim.Adam`, or
+(`--policy native_keras_layout`) the same with each layer's kernel laid out as
+Keras' `Dense` holds it, (in, out), so that both run the same GEMMs (on CPU
+MKL keeps GEMM buffers sized by them: `--free-mkl-buffers` under `--compare`
+runs every job with `MKL_DISABLE_FAST_MM=1`), and prints, as JSON, the
+parameter count and, per parameter, how much more the process held at its
+peak than before the model was built:
 
 - `peak_growth_bytes_per_param`: resident memory (VmHWM), the whole run
   (build, fit, the fit's end);
@@ -238,28 +242,58 @@ def native_layout_map(fsdp: kd.FSDP, args: argparse.Namespace) -> Any:
     return layout_map
 
 
+def _in_out_linear(fan_in: int, units: int) -> Any:
+    """A torch layer laid out as Keras' `Dense`: a kernel of shape (in, out)
+    and `x @ kernel + bias`, where `torch.nn.Linear` holds (out, in) and
+    computes `x @ weight.T`. The same GEMMs as the Keras model run (on CPU,
+    MKL keeps packing buffers between calls whose size depends on the
+    operands' layout: `benchmarks/README.md`), and `fully_shard` splits the
+    kernel along its input dimension, as `kd.FSDP` does."""
+    import torch
+
+    class InOutLinear(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            bound = 1 / fan_in**0.5
+            self.kernel = torch.nn.Parameter(
+                torch.empty(fan_in, units).uniform_(-bound, bound)
+            )
+            self.bias = torch.nn.Parameter(torch.zeros(units))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.kernel + self.bias
+
+    return InOutLinear()
+
+
 def fit_native(
-    args: argparse.Namespace, x: np.ndarray, y: np.ndarray, reshard: bool
+    args: argparse.Namespace,
+    x: np.ndarray,
+    y: np.ndarray,
+    reshard: bool,
+    keras_layout: bool = False,
 ) -> tuple[int, int, int]:
     """A few steps of the same MLP as a plain torch module under FSDP2's
     `fully_shard`, each process on its share of every batch of `BATCH` rows;
     returns the parameter count, the steps' peak (`StepPeak`'s) and
-    `BackwardStart`'s figure."""
+    `BackwardStart`'s figure. `keras_layout`: its layers hold their kernels
+    as Keras' `Dense` does (`_in_out_linear`) instead of `torch.nn.Linear`."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     width = args.width
+    linear = _in_out_linear if keras_layout else torch.nn.Linear
     modules: list[torch.nn.Module] = []
     for _ in range(args.layers):
-        modules += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*modules, torch.nn.Linear(width, 10))
+        modules += [linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*modules, linear(width, 10))
     params = sum(p.numel() for p in model.parameters())
     backward = BackwardStart(model)
     mesh = init_device_mesh("cpu", (kd.num_processes(),))
     for module in model:
-        if isinstance(module, torch.nn.Linear):
+        if not isinstance(module, torch.nn.ReLU):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     optimizer = torch.optim.Adam(model.parameters())
@@ -332,6 +366,11 @@ def fit_keras(
 def run_once(args: argparse.Namespace) -> dict:
     """One measurement in this process (see the module docstring)."""
     backend = keras.backend.backend()
+    if args.policy == "native_keras_layout" and backend != "torch":
+        raise ValueError(
+            "--policy native_keras_layout is fully_shard on PyTorch. Received: "
+            f"backend {backend!r}"
+        )
     if args.policy == "native" and backend not in ("jax", "torch"):
         raise ValueError(
             "--policy native is Keras' own ModelParallel on JAX or "
@@ -345,11 +384,13 @@ def run_once(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH * args.steps, args.width)).astype("float32")
     y = rng.integers(0, 10, size=(BATCH * args.steps,)).astype("int32")
-    native_torch = args.policy == "native" and backend == "torch"
+    native_torch = args.policy.startswith("native") and backend == "torch"
 
     def fit(sizes: argparse.Namespace) -> tuple[int, int, int | None]:
         if native_torch:
-            return fit_native(sizes, x, y, args.reshard)
+            return fit_native(
+                sizes, x, y, args.reshard, args.policy == "native_keras_layout"
+            )
         return fit_keras(sizes, x, y, args.policy)
 
     if args.warm_up:
@@ -377,10 +418,11 @@ def run_once(args: argparse.Namespace) -> dict:
         "process": kd.process_id(),
         "processes": kd.num_processes(),
         "policy": args.policy
-        + ("_no_reshard" if args.policy == "native" and not args.reshard else ""),
+        + ("_no_reshard" if native_torch and not args.reshard else ""),
         "params": params,
         "warm_up": args.warm_up,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "mkl_disable_fast_mm": os.environ.get("MKL_DISABLE_FAST_MM"),
         "rss_before_build_bytes": before,
         "peak_rss_bytes": peak,
         "peak_growth_bytes_per_param": (peak - before) / params,
@@ -411,6 +453,9 @@ def compare(args: argparse.Namespace) -> None:
             for policy in args.policies:
                 env = dict(os.environ)
                 env.pop("MALLOC_MMAP_THRESHOLD_", None)
+                env.pop("MKL_DISABLE_FAST_MM", None)
+                if args.free_mkl_buffers:
+                    env["MKL_DISABLE_FAST_MM"] = "1"
                 if malloc != "default":
                     env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
                 command = [
@@ -437,6 +482,7 @@ def compare(args: argparse.Namespace) -> None:
     for (malloc, policy), results in runs.items():
         summary = {
             "malloc": malloc,
+            "mkl_buffers": "freed" if args.free_mkl_buffers else "kept",
             "policy": policy,
             "params": results[0]["params"],
             "processes": results[0]["processes"],
@@ -464,12 +510,15 @@ def main() -> None:
             "fsdp_remat",
             "fsdp_keep_remat",
             "native",
+            "native_keras_layout",
         ),
         help="fsdp: kd.FSDP() as it comes (the optimizer's state kept split); "
         "fsdp_keep: the same, said explicitly; fsdp_gather: "
         "kd.FSDP(keep_optimizer_sharded=False); native: on JAX "
         "Keras' ModelParallel with kd.FSDP's layouts, set before the model is "
-        "built; on PyTorch a torch MLP under fully_shard",
+        "built; on PyTorch a torch MLP under fully_shard; native_keras_layout "
+        "(PyTorch): the same with each layer's kernel laid out as Keras' Dense's, "
+        "(in, out), computing x @ kernel + bias",
     )
     parser.add_argument(
         "--no-reshard-after-forward",
@@ -496,6 +545,12 @@ def main() -> None:
     parser.add_argument(
         "--policies", nargs="+", default=["fsdp", "fsdp_gather", "native", "dp"]
     )
+    parser.add_argument(
+        "--free-mkl-buffers",
+        action="store_true",
+        help="--compare: run every job with MKL_DISABLE_FAST_MM=1 (MKL frees "
+        "its GEMM packing buffers after each call instead of keeping them)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
@@ -505,7 +560,7 @@ def main() -> None:
     if args.policy is None:
         raise ValueError("Pass --policy dp|fsdp|native, or --compare.")
     if not args.reshard and (
-        args.policy != "native" or keras.backend.backend() != "torch"
+        not args.policy.startswith("native") or keras.backend.backend() != "torch"
     ):
         raise ValueError(
             "--no-reshard-after-forward applies to fully_shard only: use it with "
