@@ -513,11 +513,7 @@ def _clean_up() -> None:
             rank = _installed["rank"]
             paths.append(job_paths(job_directory, rank).temporary_directory)
     for path in paths:
-        if os.path.isdir(path) and not os.path.islink(path):
-            _remove_directory(path)
-        else:
-            with contextlib.suppress(OSError):
-                os.remove(path)
+        _remove(path)
 
 
 def _remove_unfinished_saves() -> None:
@@ -527,11 +523,16 @@ def _remove_unfinished_saves() -> None:
     created the file (`removed_if_stopped`) may create it after `_clean_up`
     looked (seen once in a loaded test run: SIGTERM to the launcher)."""
     for path in list(_temporaries):
+        _remove(path)
+
+
+def _remove(path: str) -> None:
+    """Remove the file or directory `path`, if it is there."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        _remove_directory(path)
+    else:
         with contextlib.suppress(OSError):
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.remove(path)
+            os.remove(path)
 
 
 def _remove_directory(path: str) -> None:

@@ -263,6 +263,7 @@ class _GatherLayer(torch.autograd.Function):
         if not rows:
             return (None, None, None, *(None for _ in specs))
         received: dict[int, torch.Tensor] = {}
+        buffers = []  # what the reduce-scatters write: divided once each
         pending = []
         bundled = []
         for index, row in rows.items():
@@ -270,6 +271,7 @@ class _GatherLayer(torch.autograd.Function):
                 bundled.append(index)
                 continue
             received[index] = row.new_empty(row.shape[1])
+            buffers.append(received[index])
             pending.append(
                 _reduce_scatter(
                     received[index], row.reshape(-1), group=batch.group, async_op=True
@@ -278,6 +280,7 @@ class _GatherLayer(torch.autograd.Function):
         if bundled:
             send = torch.cat([rows[index] for index in bundled], dim=1)
             together = send.new_empty(send.shape[1])
+            buffers.append(together)
             pending.append(
                 _reduce_scatter(
                     together, send.reshape(-1), group=batch.group, async_op=True
@@ -291,13 +294,14 @@ class _GatherLayer(torch.autograd.Function):
         del rows
         for work in pending:
             work.wait()
+        for buffer in buffers:
+            buffer.div_(parts)
         results: list[Any] = []
         for index, spec in enumerate(specs):
             part = received.get(index)
             if part is None:
                 results.append(None)
                 continue
-            part.div_(parts)
             if spec.dim is None:
                 local = part.view(spec.shape)
             else:
