@@ -13,6 +13,12 @@ processes (one CPU device each, gloo), taking turns:
   `DataLoader` (per-process batch GLOBAL_BATCH / 2), the Keras model wrapped in
   `DistributedDataParallel` once and called directly, `torch.optim.Adam`,
   `torch.nn.CrossEntropyLoss`, `loss.item()` every step.
+- `torch_keras_loop`: the same loop with the model's compiled Keras loss and
+  its Keras Adam, stepped as the keras.io guide "Writing a training loop from
+  scratch in PyTorch" does (`optimizer.apply(gradients, trainable_weights)`):
+  Keras' loss and optimizer cost more per step than torch's, which `fit`
+  pays too and keras_dist does not replace; against this loop what is left
+  is `fit`'s own loop and keras_dist's per-step work.
 
 - `torch_sync_bn_loop`: the anchor for keras_dist's default (global-batch
   BatchNormalization): the loop users write for the same semantics, the same
@@ -298,6 +304,46 @@ def main() -> None:
 
     loop_model = build_model()
     fit_loop = hand_written_loop(loop_model, x_torch, training=True)
+
+    def keras_objects_loop(model: keras.Model) -> Any:
+        """The same loop with the model's compiled Keras loss and Keras
+        optimizer, stepped as the keras.io guide "Writing a training loop from
+        scratch in PyTorch" does (`optimizer.apply(gradients, weights)`): what
+        is left between it and `keras_dist` is `fit`'s own loop and
+        keras_dist's per-step work, not Keras' loss and optimizer."""
+        ddp_module = DistributedDataParallel(model)
+        keras_loss, optimizer = model.loss, model.optimizer
+
+        def fit_loop(steps: int, callbacks: list) -> _History:
+            rows = steps * GLOBAL_BATCH
+            dataset = TensorDataset(x_torch[:rows], y_torch[:rows])
+            sampler = DistributedSampler(
+                dataset, num_replicas=world_size, rank=rank, shuffle=False
+            )
+            loader = DataLoader(
+                dataset, sampler=sampler, batch_size=GLOBAL_BATCH // world_size
+            )
+            for callback in callbacks:
+                callback.on_train_begin()
+            running_loss = 0.0
+            for step, (inputs, targets) in enumerate(loader):
+                loss = keras_loss(targets, ddp_module(inputs, training=True))
+                model.zero_grad()
+                loss.backward()
+                weights = model.trainable_weights
+                with torch.no_grad():
+                    optimizer.apply([w.value.grad for w in weights], weights)
+                running_loss += loss.item()
+                for callback in callbacks:
+                    callback.on_train_batch_end(step)
+            total = torch.tensor([running_loss / steps], dtype=torch.float64)
+            torch_distributed.all_reduce(total)
+            return _History(float(total.item()) / world_size)
+
+        return fit_loop
+
+    keras_loop_model = build_model()
+    fit_keras_loop = keras_objects_loop(keras_loop_model)
     x_nchw = x_torch.permute(0, 3, 1, 2).contiguous()
     fit_sync_loop = hand_written_loop(torch_convnet(), x_nchw)
     fit_nn_loop = hand_written_loop(torch_convnet(synchronized=False), x_nchw)
@@ -317,6 +363,12 @@ def main() -> None:
             "torch_loop",
             "guide's loop: DistributedSampler + DataLoader, DDP, torch Adam",
             fit_loop,
+        ),
+        Candidate(
+            "torch_keras_loop",
+            "the same loop with the model's Keras loss and Keras Adam "
+            "(optimizer.apply, as the from-scratch guide)",
+            fit_keras_loop,
         ),
         Candidate(
             "torch_sync_bn_loop",
@@ -341,6 +393,7 @@ def main() -> None:
         "keras_dist": processes_agreeing(kd_model),
         "keras_dist_sync_bn": processes_agreeing(sync_model),
         "torch_loop": processes_agreeing(loop_model),
+        "torch_keras_loop": processes_agreeing(keras_loop_model),
     }
     # keras_dist's default against the loop with the same semantics, pair by
     # pair (each repeat times every candidate in turn).
@@ -354,6 +407,12 @@ def main() -> None:
         return {"each": each, "median": each[len(each) // 2]}
 
     anchor = per_pair("keras_dist_sync_bn", "torch_sync_bn_loop", operator.truediv)
+    # keras_dist's fit against the loops, pair by pair: the guide's (torch's
+    # loss and Adam) and the same with the model's Keras loss and optimizer.
+    against_loops = {
+        f"keras_dist / {loop}": per_pair("keras_dist", loop, operator.truediv)
+        for loop in ("torch_loop", "torch_keras_loop")
+    }
     # What synchronizing BatchNorm costs each way (ms a step, pair by pair), and
     # what Keras' layers cost against torch.nn with per-process statistics.
     added_ms = {
@@ -380,6 +439,7 @@ def main() -> None:
             "median": anchor["median"],
         },
         step_ms_added=added_ms,
+        step_time_ratio_per_pair=against_loops,
         **timings,
     )
 
