@@ -268,11 +268,10 @@ def main() -> None:
     loss_fn = torch.nn.CrossEntropyLoss()
     x_torch, y_torch = torch.from_numpy(x), torch.from_numpy(y)
 
-    def hand_written_loop(module: torch.nn.Module, inputs_of: torch.Tensor, **call):
-        """A `fit`-like function for `module` under DDP (it broadcasts rank
-        0's weights), reading `inputs_of` through a DistributedSampler."""
-        ddp_module = DistributedDataParallel(module)
-        optimizer = torch.optim.Adam(module.parameters(), lr=LEARNING_RATE, eps=EPSILON)
+    def hand_written_loop(inputs_of: torch.Tensor, train_step: Any) -> Any:
+        """A `fit`-like function: `train_step(inputs, targets)` (it returns
+        the loss) on each process' batches of `inputs_of`, read through a
+        DistributedSampler."""
 
         def fit_loop(steps: int, callbacks: list) -> _History:
             rows = steps * GLOBAL_BATCH
@@ -287,11 +286,7 @@ def main() -> None:
                 callback.on_train_begin()
             running_loss = 0.0
             for step, (inputs, targets) in enumerate(loader):
-                loss = loss_fn(ddp_module(inputs, **call), targets)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                running_loss += loss.item()
+                running_loss += train_step(inputs, targets).item()
                 for callback in callbacks:
                     callback.on_train_batch_end(step)
             # After the last timed step: the mean loss over processes, as fit
@@ -302,11 +297,23 @@ def main() -> None:
 
         return fit_loop
 
-    loop_model = build_model()
-    fit_loop = hand_written_loop(loop_model, x_torch, training=True)
+    def torch_step(module: torch.nn.Module, **call: Any) -> Any:
+        """The guide's step for `module` under DDP (it broadcasts rank 0's
+        weights): torch's loss and `torch.optim.Adam`."""
+        ddp_module = DistributedDataParallel(module)
+        optimizer = torch.optim.Adam(module.parameters(), lr=LEARNING_RATE, eps=EPSILON)
 
-    def keras_objects_loop(model: keras.Model) -> Any:
-        """The same loop with the model's compiled Keras loss and Keras
+        def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> Any:
+            loss = loss_fn(ddp_module(inputs, **call), targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        return train_step
+
+    def keras_objects_step(model: keras.Model) -> Any:
+        """The same step with the model's compiled Keras loss and Keras
         optimizer, stepped as the keras.io guide "Writing a training loop from
         scratch in PyTorch" does (`optimizer.apply(gradients, weights)`): what
         is left between it and `keras_dist` is `fit`'s own loop and
@@ -314,39 +321,26 @@ def main() -> None:
         ddp_module = DistributedDataParallel(model)
         keras_loss, optimizer = model.loss, model.optimizer
 
-        def fit_loop(steps: int, callbacks: list) -> _History:
-            rows = steps * GLOBAL_BATCH
-            dataset = TensorDataset(x_torch[:rows], y_torch[:rows])
-            sampler = DistributedSampler(
-                dataset, num_replicas=world_size, rank=rank, shuffle=False
-            )
-            loader = DataLoader(
-                dataset, sampler=sampler, batch_size=GLOBAL_BATCH // world_size
-            )
-            for callback in callbacks:
-                callback.on_train_begin()
-            running_loss = 0.0
-            for step, (inputs, targets) in enumerate(loader):
-                loss = keras_loss(targets, ddp_module(inputs, training=True))
-                model.zero_grad()
-                loss.backward()
-                weights = model.trainable_weights
-                with torch.no_grad():
-                    optimizer.apply([w.value.grad for w in weights], weights)
-                running_loss += loss.item()
-                for callback in callbacks:
-                    callback.on_train_batch_end(step)
-            total = torch.tensor([running_loss / steps], dtype=torch.float64)
-            torch_distributed.all_reduce(total)
-            return _History(float(total.item()) / world_size)
+        def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> Any:
+            loss = keras_loss(targets, ddp_module(inputs, training=True))
+            model.zero_grad()
+            loss.backward()
+            weights = model.trainable_weights
+            with torch.no_grad():
+                optimizer.apply([w.value.grad for w in weights], weights)
+            return loss
 
-        return fit_loop
+        return train_step
 
+    loop_model = build_model()
+    fit_loop = hand_written_loop(x_torch, torch_step(loop_model, training=True))
     keras_loop_model = build_model()
-    fit_keras_loop = keras_objects_loop(keras_loop_model)
+    fit_keras_loop = hand_written_loop(x_torch, keras_objects_step(keras_loop_model))
     x_nchw = x_torch.permute(0, 3, 1, 2).contiguous()
-    fit_sync_loop = hand_written_loop(torch_convnet(), x_nchw)
-    fit_nn_loop = hand_written_loop(torch_convnet(synchronized=False), x_nchw)
+    fit_sync_loop = hand_written_loop(x_nchw, torch_step(torch_convnet()))
+    fit_nn_loop = hand_written_loop(
+        x_nchw, torch_step(torch_convnet(synchronized=False))
+    )
 
     candidates = [
         Candidate(
