@@ -9,6 +9,7 @@ import keras
 
 from keras_dist.checkpoint import damaged, store
 from keras_dist.checkpoint import state as checkpoint_state
+from keras_dist.runtime.join_check import require_joined
 from keras_dist.training import saving
 
 
@@ -123,6 +124,7 @@ def export(model: Any, path: str | os.PathLike, *, overwrite: bool = True) -> st
             "kd.export writes a `.keras` file (the whole model) or a "
             f"`.weights.h5` file (the weights). Received: {path!r}"
         )
+    require_joined("`kd.export`")  # else every process writes `path`
     saving.install()
     if path.endswith(".weights.h5"):
         model.save_weights(path, overwrite=overwrite)

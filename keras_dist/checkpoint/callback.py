@@ -29,6 +29,7 @@ from keras_dist.keras_compat.epoch_iterator import (
     watch_new_iterators,
     watch_next_epoch_data,
 )
+from keras_dist.runtime.join_check import require_joined
 
 # The state of Keras' own callbacks that a resume needs (public attributes).
 # EarlyStopping's `best_weights` (a copy of every weight) is not kept.
@@ -186,6 +187,7 @@ class Checkpoint(keras.callbacks.Callback):
         self._siblings = calling_callback_list()
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        require_joined("`fit` with a `kd.Checkpoint`")  # else each rank is 0
         adapter = get_adapter()
         self._rank = adapter.process_id()
         self._processes = adapter.num_processes()

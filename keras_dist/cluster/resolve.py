@@ -8,6 +8,7 @@ would join without starting a backend.
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 from keras_dist.cluster.addresses import split_address
 from keras_dist.cluster.environments import (
@@ -30,6 +31,18 @@ def _int_or_none(name: str, value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"`{name}` must be an int. Received: {name}={value!r}")
     return int(value)
+
+
+class ResolvedJob(NamedTuple):
+    """The job `resolve_job` found, and where its count and rank came from."""
+
+    coordinator: str | None
+    count: int
+    rank: int
+    #: What gave the process count and the rank: an argument, a variable such
+    #: as `WORLD_SIZE`, or a cluster's own source ("Ray Train's world size").
+    count_source: str
+    rank_source: str
 
 
 def resolve_cluster(
@@ -58,6 +71,19 @@ def resolve_cluster(
     >>> resolve_cluster("10.0.0.1:1234", 4, 3)
     ('10.0.0.1:1234', 4, 3)
     """
+    coordinator, count, rank, _, _ = resolve_job(
+        job_addresses, num_processes, process_id
+    )
+    return coordinator, count, rank
+
+
+def resolve_job(
+    job_addresses: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> ResolvedJob:
+    """`resolve_cluster`, with where the process count and the rank came from
+    (for messages that name the variables to change)."""
     count = _int_or_none("num_processes", num_processes)
     count_source = "the `num_processes` argument"
     if count is None:
@@ -102,7 +128,7 @@ def resolve_cluster(
                 rank_source = cluster.process_id_source
 
     if count is None:
-        count = 1
+        count, count_source = 1, "no cluster detected"
     if count < 1:
         raise ValueError(
             f"`num_processes` must be at least 1. Received: num_processes={count}"
@@ -113,6 +139,7 @@ def resolve_cluster(
             f"{count}. Received: job_addresses={job_addresses!r}"
         )
     if rank is None:
+        rank_source = "a job of one process"
         if count > 1:
             raise ValueError(
                 f"A job of {count} processes needs this process' `process_id` "
@@ -131,4 +158,5 @@ def resolve_cluster(
             f"A job of {count} processes needs the coordinator's 'host:port' in "
             f"`job_addresses` (or {JOB_ADDRESSES_VARIABLE})."
         )
-    return (addresses[0] if addresses else None), count, rank
+    coordinator = addresses[0] if addresses else None
+    return ResolvedJob(coordinator, count, rank, count_source, rank_source)

@@ -1,9 +1,10 @@
 """The job's shared facts, set once and read everywhere.
 
-Which job this process joined (`keras_dist.initialize()` records it), how long
-any wait for the other processes may last (`KERAS_DIST_INIT_TIMEOUT`), and this
-process' rank (asked of the backend adapter, which registers itself when it is
-created, as Lightning's `rank_zero_only.rank` is set once by its strategy).
+Which job this process joined (`keras_dist.initialize()` records it, and that
+it was called at all), how long any wait for the other processes may last
+(`KERAS_DIST_INIT_TIMEOUT`), and this process' rank (asked of the backend
+adapter, which registers itself when it is created, as Lightning's
+`rank_zero_only.rank` is set once by its strategy).
 This module asks nobody: code on every layer reads these facts here instead of
 importing the layer that knows them.
 """
@@ -62,8 +63,25 @@ def joined() -> dict[str, object]:
 
 
 def forget_join() -> None:
-    """Forget the joined job (for tests that simulate one)."""
+    """Forget the joined job, and that `initialize` was called (for tests
+    that simulate one)."""
     _joined.clear()
+    _initialize_called.clear()
+
+
+_initialize_called: list[bool] = []
+
+
+def record_initialize() -> None:
+    """Record that `keras_dist.initialize()` returned: the job it resolved,
+    even one of a single process the user asked for under a launcher of
+    several, is the user's choice."""
+    _initialize_called[:] = [True]
+
+
+def initialize_called() -> bool:
+    """Whether `keras_dist.initialize()` returned in this process."""
+    return bool(_initialize_called)
 
 
 def when_joined(hook: Callable[[], None]) -> None:

@@ -129,7 +129,11 @@ def initialize(
     of them says anything, the backend's own detection runs last, as in
     Keras: on JAX `jax.distributed.initialize()` without arguments (Cloud
     TPU, GKE, Open MPI, `JAX_COORDINATOR_ADDRESS`); with no cluster detected
-    the process runs alone.
+    the process runs alone. Call it first, before any backend work: a process
+    that a launcher or cluster started as one of several and that never
+    called it cannot run a distributed `fit`, `evaluate` or `predict`, a
+    `kd.Checkpoint` or `kd.export` (they raise, naming this fix, instead of
+    running alone: `keras_dist.runtime.join_check`).
 
     Args:
         job_addresses: `"host:port"` of the coordinator (process 0), or every
@@ -183,6 +187,7 @@ def initialize(
         # A cluster keras_dist detected gave a coordinator, even for one process.
         if coordinator is None and not configured and not job.joined():
             _join_detected_cluster(timeout_seconds)
+        job.record_initialize()
         return
     joined = job.joined()
     if joined:
@@ -192,6 +197,7 @@ def initialize(
                 f"join another job. Received: coordinator={coordinator}, "
                 f"num_processes={count}, process_id={rank}"
             )
+        job.record_initialize()
         return
     # Every process checks in at the coordinator first: a process that never
     # comes, or a port already in use, is then a Python error naming the ranks
@@ -206,6 +212,7 @@ def initialize(
     # file-writing callbacks write on process 0 only, inside `fit` or not
     # (`keras_dist.training.saving`).
     job.record_join(coordinator, count, rank)
+    job.record_initialize()
     # After the backend: it may replace the SIGTERM handler when it starts.
     lifecycle.install(rank)
 

@@ -18,11 +18,21 @@ from keras_dist.faults import heartbeat
 from keras_dist.keras_compat.callbacks import silence_callbacks
 from keras_dist.keras_compat.distribution import KerasDistribution
 from keras_dist.keras_compat.layers import layers_of
+from keras_dist.runtime.join_check import require_joined
 from keras_dist.training import saving
 
 _active_runs: dict[int, DistributedRun] = {}
-# One token per Keras fit/evaluate/predict in progress, innermost last.
-_calls_in_progress: list[object] = []
+
+
+class KerasCall:
+    """One Keras `fit`, `evaluate` or `predict` in progress."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+# One per Keras fit/evaluate/predict in progress, innermost last.
+_calls_in_progress: list[KerasCall] = []
 
 
 def check_distribution(distribution: Any, owner: str) -> Distribution:
@@ -56,7 +66,7 @@ class DistributedRun:
         self._undo: list[Callable[[], None]] = []  # run in reverse by `stop`
         self.active = False
         # The Keras call that started the run (None: started outside any).
-        self._call: object | None = None
+        self._call: KerasCall | None = None
 
     def start(self) -> DistributedRun:
         key = id(self.model)
@@ -65,6 +75,10 @@ class DistributedRun:
                 f"A distribution is already active for model {self.model.name!r}; "
                 "use one DistributeCallback per fit/evaluate/predict call."
             )
+        # Before anything: a process a launcher started as one of several that
+        # never called `kd.initialize()` must neither train alone nor write.
+        call = _calls_in_progress[-1] if _calls_in_progress else None
+        require_joined(f"`{call.name}`" if call else "this call")
         # One writer: process 0 writes every file (`keras_dist.saving`), for
         # a job whose processes did not join through `keras_dist.initialize()`.
         saving.install()
@@ -92,12 +106,13 @@ class DistributedRun:
                         self.model,
                         self.distribution.remat,
                         warn=adapter.process_id() == 0,
+                        recomputes_state=adapter.recomputes_layer_state,
                     )
                 )
             except BaseException:
                 self.stop()
                 raise
-        self._call = _calls_in_progress[-1] if _calls_in_progress else None
+        self._call = call
         # One voice: only process 0 shows progress bars and per-epoch logs.
         # (Files, from checkpoints to CSV logs and TensorBoard events, are
         # written by process 0 whether a run is active or not: `saving`.)
@@ -196,7 +211,7 @@ def _runs_end_with_their_call(
         else contextlib.nullcontext()
     )
     before = _active_runs.get(id(model))
-    token = object()
+    token = KerasCall(name)
     with starting:
         _calls_in_progress.append(token)
         try:
