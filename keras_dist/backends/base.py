@@ -36,6 +36,11 @@ class BackendAdapter(abc.ABC):
     #: the epoch's iterator, where keras_dist can time the read
     #: (`keras_dist.callbacks.Throughput`); TensorFlow reads inside the step.
     reads_batches_in_python: bool = True
+    #: Whether a layer whose call updates state (a seed generator's, moving
+    #: statistics) is recomputed exactly by activation checkpointing (`remat=`):
+    #: its updates made once and its random numbers the same in the recomputed
+    #: call. Where not, `remat` leaves such layers out (and says so).
+    recomputes_layer_state: bool = False
 
     def __init__(self) -> None:
         # id(model) -> what undoes its activation, in the order it was done.

@@ -7,17 +7,21 @@ keras_dist gives the model's layers the mode they would have had if the model
 had been built inside `keras.RematScope(...)`, and takes it back when the call
 ends, with two differences that keep training exact:
 
-- A layer whose call updates state is never recomputed: one holding a seed
-  generator (Dropout, noise layers), or trainable and holding non-trainable
-  variables (BatchNormalization's moving statistics). Recomputing it in the
-  backward pass would update the state twice (PyTorch) or leak values out of
-  the recomputed function (JAX). Such layers, and the layers holding them,
-  are named in one warning; their other sublayers still count.
+- A layer whose call updates state (one holding a seed generator: Dropout,
+  the noise layers; or trainable and holding non-trainable variables:
+  BatchNormalization's moving statistics) is recomputed only where the backend
+  recomputes it exactly (`recomputes_state`: JAX, whose recomputed call hands
+  its updates out as values and draws the same random numbers again, see
+  `backends/jax/remat.py`). On PyTorch the backward pass would run it again,
+  advancing its seed generator twice (another mask) and updating its
+  statistics twice: there such layers, and the layers holding them, are left
+  out and named in one warning; their other sublayers still count.
 - `"full"` recomputes the outermost layers that qualify (the model's own
-  layers, or a layer's sublayers where it holds state), each as one piece:
-  only each piece's inputs are kept for the backward pass, as activation
-  checkpointing per block does in torchtitan. Keras' scope would also mark
-  every nested layer, recomputing the inner ones once more for nothing.
+  layers, or a layer's sublayers where it is left out for its state), each as
+  one piece: only each piece's inputs are kept for the backward pass, as
+  activation checkpointing per block does in torchtitan. Keras' scope would
+  also mark every nested layer, recomputing the inner ones once more for
+  nothing.
 
 A layer that already has its own mode (built under a `keras.RematScope`) keeps
 it. TensorFlow is refused when the distribution is made (Keras' recompute
@@ -96,8 +100,9 @@ class RematPlan:
     """Which layers of a model `scope` recomputes: `layers`, and `left_out`,
     the layers holding state (each with the layers in it that update it)."""
 
-    def __init__(self, model: Any, scope: Any):
+    def __init__(self, model: Any, scope: Any, recomputes_state: bool = False):
         self.mode = keras_remat.mode_of_scope(scope)
+        self.recomputes_state = recomputes_state
         self.layers: list[Any] = []
         self.left_out: dict[str, list[str]] = {}
         self.kept_own: list[str] = []
@@ -133,7 +138,7 @@ class RematPlan:
         if keras_remat.mode_of(layer) is not None:
             self.kept_own.append(layer.name)
             return False
-        holding = _holds_state(layer)
+        holding = [] if self.recomputes_state else _holds_state(layer)
         if not holding:
             self.layers.append(layer)
             return False
@@ -176,11 +181,15 @@ class RematPlan:
 _warned: set[tuple[int, int]] = set()
 
 
-def rematerialize(model: Any, scope: Any, warn: bool = True) -> Callable[[], None]:
+def rematerialize(
+    model: Any, scope: Any, warn: bool = True, recomputes_state: bool = False
+) -> Callable[[], None]:
     """Give `model`'s layers `scope`'s mode for one call (see the module's
     docstring); return the undo. Warns once per model and scope (process 0:
-    `warn`) about the layers it leaves out."""
-    plan = RematPlan(model, scope)
+    `warn`) about the layers it leaves out. `recomputes_state`: whether the
+    backend recomputes a layer that updates state exactly (its adapter's
+    `recomputes_layer_state`)."""
+    plan = RematPlan(model, scope, recomputes_state)
     said = plan.warning(model)
     if said and warn and (id(model), id(scope)) not in _warned:
         _warned.add((id(model), id(scope)))

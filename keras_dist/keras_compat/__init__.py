@@ -28,7 +28,9 @@ What keras_dist patches later, and only while it is needed:
 - when a distributed call starts: the model's step functions
   (`steps.install_cached_steps`), each BatchNormalization layer's moments
   (`batch_norm.replace_moments`), with a distribution's `remat=` the
-  rematerialization mode of the layers it recomputes (`remat.set_mode`),
+  rematerialization mode of the layers it recomputes (`remat.set_mode`) and
+  each recomputed call (`remat.recompute_whole_calls` on JAX, a layer's own
+  mode included; `remat.wrap_recomputed_calls` on PyTorch),
   Keras' metric classes' `update_state`
   (`metrics.install_row_aware_metrics`: unchanged outside keras_dist's
   steps), the epoch iterator's batch source (`epoch_iterator.EpochRouting`),

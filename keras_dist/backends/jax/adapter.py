@@ -18,6 +18,7 @@ from jax.experimental import multihost_utils
 
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.jax import keras_internals as internals
+from keras_dist.backends.jax import remat
 from keras_dist.backends.jax.input_adapter import (
     DistributedBatches,
     ProcessLocalBatches,
@@ -27,6 +28,8 @@ from keras_dist.common.accelerators import memory_bytes
 from keras_dist.common.batch_norm import GlobalBatchNorm
 from keras_dist.common.prefetch import prefetch_depth
 from keras_dist.common.random_streams import take_process_zero_streams
+from keras_dist.keras_compat import remat as keras_remat
+from keras_dist.keras_compat.layers import layers_of
 from keras_dist.keras_compat.optimizers import each_new_slot, slot_owners
 
 # JAX's sharding-plus-memory-layout object (`Layout` in older releases).
@@ -76,6 +79,8 @@ def _to_jax_device(device: Any) -> Any:
 
 class JaxAdapter(BackendAdapter):
     name = "jax"
+    # State updates leave the recomputed call as values (`remat.checkpoint`).
+    recomputes_layer_state = True
 
     def simulate_cpu_devices(self, count: int) -> None:
         # Imported here: this method is all of the adapter that needs it.
@@ -366,6 +371,15 @@ class JaxAdapter(BackendAdapter):
         self._on_deactivate(model, internals.unroute_batches)
         internals.install_steps(model, distribution, trim_outputs, jax.value_and_grad)
         self._on_deactivate(model, lambda: internals.remove_steps(model))
+        layers = layers_of(model)
+        if getattr(distribution, "remat", None) is not None or any(
+            keras_remat.mode_of(layer) is not None for layer in layers
+        ):
+            # A recomputed layer's Python arguments stay static and its state
+            # updates leave `jax.checkpoint` as values (`remat.checkpoint`).
+            self._on_deactivate(
+                model, keras_remat.recompute_whole_calls(layers, remat.checkpoint)
+            )
         # BatchNormalization statistics over the real rows of the global batch;
         # the step's arrays are global already, so nothing needs summing.
         self._normalize_batches(model, GlobalBatchNorm.Replicas())
