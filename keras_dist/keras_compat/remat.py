@@ -141,7 +141,7 @@ class CallEffects:
         with scope:
             outputs = call(*args, **kwargs)
         self._written = list(scope.written.values())
-        owners = layers_of(self.layer)
+        owners = layers_of(self.layer) if scope.losses else []
         self._loss_owners = []
         for loss in scope.losses:
             owner = next((o for o in owners if id(loss) in o._loss_ids), None)
