@@ -63,6 +63,7 @@ _PUBLIC = {
     "list_devices": "keras_dist.runtime.api",
     "num_processes": "keras_dist.runtime.api",
     "plan": "keras_dist.planner",
+    "plan_search": "keras_dist.planner",
     "process_id": "keras_dist.runtime.api",
     "restore": "keras_dist.checkpoint",
     "scale_learning_rate": "keras_dist.schedules",
@@ -96,6 +97,7 @@ __all__ = [
     "list_devices",
     "num_processes",
     "plan",
+    "plan_search",
     "process_id",
     "restore",
     "scale_learning_rate",
@@ -188,7 +190,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the API docs
         distribution,
         set_distribution,
     )
-    from keras_dist.planner import Plan, Problem, plan
+    from keras_dist.planner import Plan, Problem, plan, plan_search
     from keras_dist.runtime.api import (
         get_device_count,
         initialize,

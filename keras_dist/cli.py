@@ -215,6 +215,9 @@ PLAN_FLAGS = {
     "min_size": "--min-size",
     "layout_map": "--layout-map",
     "mesh": "--mesh/--axes",
+    "topology": "--topology",
+    "num_slices": "--num-slices",
+    "steps": "--steps",
 }
 #: The `LaunchConfig` arguments `keras-dist launch` sets, and their flags.
 LAUNCH_FLAGS = {
@@ -286,7 +289,15 @@ def parse_input_shape(values: list[str] | None) -> Any:
     }
 
 
-def _plan_mesh(arguments: argparse.Namespace) -> dict[str, int]:
+def _plan_mesh(arguments: argparse.Namespace) -> dict[str, int] | None:
+    if arguments.mesh is None and arguments.axes is None and arguments.topology:
+        return None  # every device of the topology on one axis
+    if arguments.mesh is None or arguments.axes is None:
+        raise ValueError(
+            "--mesh and --axes are needed (with --topology they may both be left "
+            "out: every device on one axis). Received: --mesh "
+            f"{arguments.mesh!r} --axes {arguments.axes!r}"
+        )
     try:
         shape = tuple(int(size) for size in arguments.mesh.split(","))
     except ValueError:
@@ -333,6 +344,14 @@ def _plan(arguments: argparse.Namespace) -> int:
         if arguments.device_memory is not None:
             memory = parse_memory(arguments.device_memory)
         input_shape = parse_input_shape(arguments.input_shape)
+        if arguments.search:
+            from keras_dist import cli_search  # noqa: PLC0415
+
+            model = _import_function(arguments.model, "MODEL")
+            flags = {**PLAN_FLAGS, **cli_search.SEARCH_FLAGS}
+            return cli_search.run_search(
+                arguments, model, memory, input_shape, lambda e: as_flags(e, flags)
+            )
         mesh = _plan_mesh(arguments)
         model = _import_function(arguments.model, "MODEL")
         layout = None
@@ -352,6 +371,7 @@ def _plan(arguments: argparse.Namespace) -> int:
             device_memory=memory,
             on_indivisible=arguments.on_indivisible,
             optimizer=arguments.optimizer,
+            **_topology_arguments(arguments),
         )
     except UnbuiltModelError as error:
         print(
@@ -364,7 +384,7 @@ def _plan(arguments: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, NotImplementedError, RuntimeError) as error:
         print(f"keras-dist plan: {as_flags(str(error), PLAN_FLAGS)}", file=sys.stderr)
         return 1
     # What the plan says to pass, said as this command's flags.
@@ -382,7 +402,21 @@ def _plan(arguments: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if result.compiled is not None and result.fits is False:
+        print("keras-dist plan: the compiled plan does not fit", file=sys.stderr)
+        return 1
     return 0
+
+
+def _topology_arguments(arguments: argparse.Namespace) -> dict[str, Any]:
+    """`kd.plan`'s compiled-plan arguments from `--topology` and its flags."""
+    if not arguments.topology:
+        return {}
+    return {
+        "topology": arguments.topology,
+        "num_slices": arguments.num_slices,
+        "steps": tuple(arguments.steps.split(",")),
+    }
 
 
 def _launch(arguments: argparse.Namespace) -> int:
@@ -440,24 +474,47 @@ def build_parser() -> argparse.ArgumentParser:
             "machine lacks get placeholder names) and print each variable's layout\n"
             "and bytes per device, each device's totals and every problem found.\n"
             "A model that is not built (no keras.Input, never called) is built\n"
-            "from --input-shape, or refused. Exit code 1 when there are problems\n"
-            "or the plan is refused, 2 for wrong flags."
+            "from --input-shape, or refused. With --topology (JAX), also compile\n"
+            "the steps fit runs for that topology on abstract values and print\n"
+            "XLA's memory, flops and collectives per device, with a projected\n"
+            "step time. Exit code 1 when there are problems, the plan is refused\n"
+            "or does not fit, 2 for wrong flags."
         ),
         epilog=(
-            "example: keras-dist plan models:llama --mesh 2,4 --axes batch,model "
+            "examples:\n  keras-dist plan models:llama --mesh 2,4 --axes batch,model "
             "--fsdp --layout-map models:llama_layout --batch-size 8 "
-            "--device-memory 16GB --png plan.png"
+            "--device-memory 16GB --png plan.png\n  keras-dist plan models:llama "
+            "--topology v5e-256 --mesh 64,4 --axes batch,model --fsdp "
+            "--layout-map models:llama_layout --batch-size 256"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     planner.add_argument(
         "model", metavar="MODULE:FUNCTION", help="a function returning a Keras model"
     )
-    planner.add_argument("--mesh", required=True, help="mesh shape, e.g. 2,4")
+    planner.add_argument("--mesh", help="mesh shape, e.g. 2,4")
     planner.add_argument(
         "--axes",
-        required=True,
         help="mesh axis names, batch axis first, e.g. batch,model",
+    )
+    planner.add_argument(
+        "--topology",
+        metavar="NAME",
+        help="compile fit's own steps for this topology (JAX): a TPU slice such "
+        "as v5e:2x2, v5e-256 or v5p:4x4x8 (needs keras-dist[tpu]), or cpu:N; "
+        "--mesh/--axes then default to every device on one axis 'batch'",
+    )
+    planner.add_argument(
+        "--num-slices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="TPU slices joined by the data-center network (with --topology)",
+    )
+    planner.add_argument(
+        "--steps",
+        default="train,test,predict",
+        help="the steps to compile (with --topology), e.g. train",
     )
     planner.add_argument(
         "--fsdp", action="store_true", help="kd.FSDP along the first axis"
@@ -503,6 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     planner.add_argument("--json", action="store_true", help="one JSON object")
     planner.add_argument("--png", metavar="PATH", help="write a bar chart there")
+    from keras_dist.cli_search import add_search_flags  # noqa: PLC0415
+
+    add_search_flags(planner)
     planner.set_defaults(handler=_plan, usage_error=planner.error)
     launch = commands.add_parser(
         "launch",

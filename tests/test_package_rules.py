@@ -15,7 +15,7 @@ from its own package), imports inside functions included:
     checkpoint
     layouts, schedules, flops, callbacks
     callback, trainer
-    __init__, __main__, cli
+    __init__, __main__, cli, cli_search
 """
 
 from __future__ import annotations
@@ -48,10 +48,15 @@ LAYERS = [
     {"checkpoint"},
     {"layouts", "schedules", "flops", "callbacks"},
     {"callback", "trainer"},
-    {"__init__", "__main__", "cli"},
+    {"__init__", "__main__", "cli", "cli_search"},
 ]
-# Upward imports allowed, each with its reason: none today (at most 3).
-UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
+# Upward imports allowed, each with its reason (at most 3).
+UPWARD_ALLOWED: dict[tuple[str, str], str] = {
+    ("keras_dist.planner.candidates", "keras_dist.layouts"): (
+        "plan_search's tensor-parallel candidates are the layout presets; "
+        "they sit above the planner because they read its swapped-axes rule"
+    ),
+}
 MAX_LINES = 700
 
 

@@ -592,7 +592,8 @@ def test_the_chart_has_one_bar_per_distinct_device_with_its_sizes_on_it():
     assert [label for label, _ in device_groups(result)] == [
         f"{result.devices[0].device} … {result.devices[-1].device} (8 devices)"
     ]
-    assert [len(bars.patches) for bars in axes.containers] == [1, 1, 1]
+    # parameters, gradients, optimizer slots, activations
+    assert [len(bars.patches) for bars in axes.containers] == [1, 1, 1, 1]
     tick_labels = [tick.get_text() for tick in axes.get_xticklabels()]
     assert tick_labels == [label for label, _ in device_groups(result)]
     height = sum(bars.patches[0].get_height() for bars in axes.containers)
@@ -678,3 +679,33 @@ def test_a_genuinely_swapped_layout_is_still_reported():
         for i in (0, 1)
         for name in ("query", "key", "value")
     )
+
+
+def test_gradients_are_counted_and_the_headline_says_by_how_much():
+    from tests.workers.plan_models import mlp
+
+    def planned(memory):
+        return plan(
+            mlp,
+            kd.DataParallel,
+            mesh={"batch": 2},
+            optimizer="adam",
+            device_memory=memory,
+        )
+
+    result = planned(None)
+    device = result.devices[0]
+    trainable = sum(r.bytes_per_device for r in result.rows if r.role == "trainable")
+    # Weights, one gradient each, Adam's two moments (and its step counters).
+    assert device.gradients == trainable == device.parameters
+    assert device.total == device.parameters + device.gradients + device.optimizer_slots
+    assert device.optimizer_slots >= 2 * trainable
+    assert result.fits is None and "Fits: unknown" in str(result)
+    short = planned(device.total - 1000)
+    assert short.fits is False
+    assert str(short).startswith("Does not fit:") and "short (static estimate)" in str(
+        short
+    )
+    assert "gradients" in next(p.message for p in short.problems)
+    roomy = planned(device.total + 2**20)
+    assert roomy.fits is True and str(roomy).startswith("Fits:")

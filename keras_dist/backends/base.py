@@ -234,6 +234,36 @@ class BackendAdapter(abc.ABC):
         """
         return False
 
+    # -- compiled plans ---------------------------------------------------------
+    def _no_compiled_plan(self) -> NotImplementedError:
+        return NotImplementedError(
+            f"A plan compiled for a topology needs the JAX backend (XLA compiles "
+            f"for devices this machine does not have); on {self.name} the plan "
+            "is the static one: call keras_dist.plan without topology=, or run "
+            "it with KERAS_BACKEND=jax."
+        )
+
+    def topology_devices(
+        self, platform: str, name: str, count: int, num_slices: int
+    ) -> list[Any]:
+        """The devices of a TPU topology (`name` as libtpu spells it, e.g.
+        "v5e:16x16") or `count` CPU devices, for a compiled plan."""
+        raise self._no_compiled_plan()
+
+    def topology_mesh_devices(
+        self, devices: list[Any], shape: tuple[int, ...], num_slices: int
+    ) -> Any:
+        """`devices` as an array of the mesh's `shape`, laid out along the
+        topology's links."""
+        raise self._no_compiled_plan()
+
+    def compile_steps(
+        self, model: Any, distribution: Any, data: Any, kinds: tuple[str, ...]
+    ) -> dict[str, dict[str, Any]]:
+        """Compile `model`'s steps under `distribution` on abstract values and
+        say what the compiler says of each (`keras_dist.planner` reads it)."""
+        raise self._no_compiled_plan()
+
     # -- training --------------------------------------------------------------
     @abc.abstractmethod
     def activate(self, model: Any, distribution: Any) -> None:

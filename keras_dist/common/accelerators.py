@@ -24,12 +24,22 @@ class DeviceKind(NamedTuple):
             (no structured sparsity), or None when not known.
         peak_32: dense peak FLOP/s in float32, or None.
         memory_bytes: the device's own memory (HBM), or None.
+        memory_bandwidth: bytes per second between the device and its memory
+            (HBM), or None. Read by the compiled plan's roofline.
+        interconnect_bandwidth: bytes per second one chip exchanges with its
+            neighbours over the chips' own links (TPU ICI, bidirectional, all
+            ports), or None.
+        network_bandwidth: bytes per second one chip's share of its host's
+            data-center network gives it (what crosses TPU slices), or None.
     """
 
     pattern: str
     peak_16: float | None
     peak_32: float | None
     memory_bytes: int | None
+    memory_bandwidth: float | None = None
+    interconnect_bandwidth: float | None = None
+    network_bandwidth: float | None = None
 
 
 _GIB = 2**30
@@ -49,10 +59,26 @@ _KINDS: tuple[DeviceKind, ...] = (
     DeviceKind(r"\bl4\b", 121e12, 30.3e12, 24 * _GB),
     DeviceKind(r"\ba10\b", 125e12, 31.2e12, 24 * _GB),
     DeviceKind(r"\bt4\b", 65e12, 8.1e12, 16 * _GB),  # float16 only
-    DeviceKind(r"^tpu v4$", 275e12, 275e12, 32 * _GIB),
-    DeviceKind(r"^tpu v5 lite$|^tpu v5e$", 197e12, 197e12, 16 * _GIB),
-    DeviceKind(r"^tpu v5p?$", 459e12, 459e12, 95 * _GIB),
-    DeviceKind(r"^tpu v6 lite$|^tpu v6e$", 918e12, 918e12, 32 * _GIB),
+    # TPUs: Google Cloud's TPU system-architecture pages (v4, v5e, v5p, v6e):
+    # peak bf16 per chip, HBM capacity and bandwidth, bidirectional ICI per
+    # chip, and the data-center network per chip (v5e: 6.4 Tbps a 256-chip
+    # pod; v5p: 50 Gbps a chip). None where the page gives no figure.
+    DeviceKind(r"^tpu v4$", 275e12, 275e12, 32 * _GIB, 1200 * _GB),
+    DeviceKind(
+        r"^tpu v5 lite$|^tpu v5e$",
+        197e12,
+        197e12,
+        16 * _GIB,
+        819 * _GB,
+        400 * _GB,
+        6.4e12 / 8 / 256,
+    ),
+    DeviceKind(
+        r"^tpu v5p?$", 459e12, 459e12, 95 * _GIB, 2765 * _GB, 1200 * _GB, 50e9 / 8
+    ),
+    DeviceKind(
+        r"^tpu v6 lite$|^tpu v6e$", 918e12, 918e12, 32 * _GIB, 1638 * _GB, 800 * _GB
+    ),
 )
 
 

@@ -64,6 +64,7 @@ from keras_dist.keras_compat import versions
 versions.require_supported_keras()
 try:
     from keras_dist.keras_compat import (
+        abstract_models,
         backend,
         batch_norm,
         callbacks,
@@ -97,6 +98,7 @@ _PROBED_MODULES = (
     metrics,
     epoch_iterator,
     torch_trainer,
+    abstract_models,
 )
 
 

@@ -34,18 +34,22 @@ def check_mesh(mesh: Any) -> None:
 
 
 def distribution_on_mesh(
-    make: Callable[[Any], Any], sizes: Mapping[str, int]
+    make: Callable[[Any], Any], sizes: Mapping[str, int], devices: Any = None
 ) -> tuple[Any, bool]:
-    """`make(mesh)` on a mesh of `sizes`, on this machine's devices when it
-    has enough, else on placeholder names; and whether they are placeholders."""
+    """`make(mesh)` on a mesh of `sizes`, on `devices` (an array of the
+    mesh's shape: a topology's) or else this machine's devices when it has
+    enough, else on placeholder names; and whether they are placeholders."""
     shape = tuple(int(size) for size in sizes.values())
     count = math.prod(shape)
-    devices = runtime.list_devices()
-    placeholders = len(devices) < count
-    if placeholders:
-        kind = devices[0].partition(":")[0] if devices else "cpu"
-        devices = [f"{kind}:{index}" for index in range(count)]
-    mesh = DeviceMesh(shape, list(sizes), devices[:count])
+    placeholders = False
+    if devices is None:
+        devices = runtime.list_devices()
+        placeholders = len(devices) < count
+        if placeholders:
+            kind = devices[0].partition(":")[0] if devices else "cpu"
+            devices = [f"{kind}:{index}" for index in range(count)]
+        devices = devices[:count]
+    mesh = DeviceMesh(shape, list(sizes), devices)
     distribution = make(mesh)
     if not isinstance(distribution, KerasDistribution):
         raise TypeError(

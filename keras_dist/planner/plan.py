@@ -4,7 +4,7 @@ from shapes only, before anything is allocated on a device."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ import numpy as np
 
 from keras_dist.backends import get_adapter
 from keras_dist.keras_compat.distribution import KerasDistribution
+from keras_dist.planner.compiled import STEP_KINDS, plan_on_topology
 from keras_dist.planner.model import (
     check_input_shape,
     input_specs,
@@ -38,8 +39,9 @@ ACTIVATION_NOTE = (
     "Activations are an estimate: the sum of the output sizes of the model's "
     "inputs and top-level layers for one batch of `batch_size` rows, split "
     "along the batch axis. It leaves out what layers keep inside (attention "
-    "scores, nested models' inner outputs), gradients and the compiler's "
-    "workspace, and counts every output as alive at once."
+    "scores, nested models' inner outputs) and the compiler's workspace, and "
+    "counts every output as alive at once. Gradients are counted apart: one per "
+    "trainable variable, in its dtype and layout."
 )
 
 
@@ -67,6 +69,10 @@ def plan(
     device_memory: int | None = None,
     on_indivisible: str = "error",
     optimizer: Any = None,
+    topology: str | None = None,
+    num_slices: int = 1,
+    target_shape: Any = None,
+    steps: tuple[str, ...] = STEP_KINDS,
 ) -> Plan:
     """Lay out `model` under `distribution` on paper: every variable's layout
     and bytes per device, each device's totals, and every problem found.
@@ -115,6 +121,21 @@ def plan(
             count. Defaults to the model's compiled optimizer, if any.
             Slots are counted by building a copy of it on the model's
             trainable variables inside the same stateless scope.
+        topology: compile `fit`'s own steps for this topology (JAX only) and
+            add what XLA says of them as `plan.compiled`: a TPU slice by
+            name (`"v5e:2x2"`, `"v5e-256"`, `"v5p:4x4x8"`, `"v6e-8"`; needs
+            `libtpu`: `pip install "keras-dist[tpu]"`) or `"cpu:N"` (N CPU
+            devices of this process). `distribution` is then a function of
+            the mesh made on the topology's devices, of `mesh=`'s shape or,
+            without it, every device on one axis `"batch"`; `batch_size` is
+            needed. A model function may compile its model (the step needs
+            its loss and optimizer); its variables are never allocated.
+        num_slices: TPU slices joined by the data-center network; the first
+            mesh axis that the count divides spans them.
+        target_shape: one sample's target shape for the compiled step, when
+            it is not the model's output shape (or that shape without its
+            last dimension, for a sparse loss).
+        steps: which of `"train"`, `"test"` and `"predict"` to compile.
 
     Returns:
         A `Plan`.
@@ -135,6 +156,22 @@ def plan(
     >>> len(wide.devices)  # placeholder devices: this machine need not have 64
     64
     """
+    if topology is not None:
+        _check_sequence_length(input_shape, sequence_length)
+        return plan_on_topology(
+            _static_plan(on_indivisible, optimizer, input_shape, sequence_length),
+            model,
+            distribution,
+            topology,
+            num_slices,
+            mesh=mesh,
+            input_shape=input_shape,
+            sequence_length=sequence_length,
+            batch_size=batch_size,
+            device_memory=device_memory,
+            target_shape=target_shape,
+            steps=steps,
+        )
     _check_arguments(distribution, mesh, batch_size, device_memory, on_indivisible)
     check_input_shape(input_shape)
     _check_sequence_length(input_shape, sequence_length)
@@ -145,7 +182,38 @@ def plan(
     specs = input_specs(model, input_shape, sequence_length)
     slots, slot_note = optimizer_slots(model, optimizer)
     planner = _Planner(model, distribution, on_indivisible, placeholders)
-    return planner.run(slots, slot_note, batch_size, device_memory, specs)
+    result = planner.run(slots, slot_note, batch_size, device_memory, specs)
+    if get_adapter().name != "jax":
+        result.notes.append(
+            f"This plan is the static one (shapes and estimates): on "
+            f"{get_adapter().name} no step is compiled for it. With "
+            "KERAS_BACKEND=jax, topology= compiles fit's own step and reads "
+            "XLA's memory and cost."
+        )
+    return result
+
+
+def _static_plan(
+    on_indivisible: str, optimizer: Any, input_shape: Any, sequence_length: Any
+) -> Callable[[Any, Any, int | None, int | None], Plan]:
+    """The static plan of a made model and distribution, for the compiled
+    plan (`plan_on_topology`) to run before it compiles."""
+    if on_indivisible not in ON_INDIVISIBLE:
+        raise ValueError(
+            f"`on_indivisible` must be one of {ON_INDIVISIBLE}. Received: "
+            f"on_indivisible={on_indivisible!r}"
+        )
+    check_input_shape(input_shape)
+
+    def static(
+        model: Any, distribution: Any, batch_size: int | None, memory: int | None
+    ) -> Plan:
+        specs = input_specs(model, input_shape, sequence_length)
+        slots, slot_note = optimizer_slots(model, optimizer)
+        planner = _Planner(model, distribution, on_indivisible, False)
+        return planner.run(slots, slot_note, batch_size, memory, specs)
+
+    return static
 
 
 def _check_arguments(
@@ -527,6 +595,9 @@ class _Planner:
     ) -> list[DeviceTotals]:
         # Every layout splits evenly, so every device holds the same bytes.
         parameters = sum(row.bytes_per_device for row in model_rows)
+        gradients = sum(
+            row.bytes_per_device for row in model_rows if row.role == "trainable"
+        )
         slots = sum(row.bytes_per_device for row in slot_rows)
         names = [
             _device_name(d)
@@ -537,7 +608,9 @@ class _Planner:
             memory = device_memory
             if memory is None and not self.placeholders:
                 memory = get_adapter().device_memory_bytes(name)
-            devices.append(DeviceTotals(name, parameters, slots, activations, memory))
+            devices.append(
+                DeviceTotals(name, parameters, slots, activations, memory, gradients)
+            )
         over = [d for d in devices if d.memory is not None and d.total > d.memory]
         if over:
             largest = sorted(model_rows + slot_rows, key=lambda r: -r.bytes_per_device)
@@ -546,8 +619,9 @@ class _Planner:
                     "out-of-memory",
                     f"{len(over)} device(s) ({', '.join(d.device for d in over[:4])}"
                     f"{', ...' if len(over) > 4 else ''}) need {over[0].total:,} bytes "
-                    f"(parameters {parameters:,}, optimizer slots {slots:,}, "
-                    f"activations {activations or 0:,}) but have {over[0].memory:,}. "
+                    f"(parameters {parameters:,}, gradients {gradients:,}, optimizer "
+                    f"slots {slots:,}, activations {activations or 0:,}) but have "
+                    f"{over[0].memory:,}, {over[0].total - over[0].memory:,} short. "
                     "Shard more (FSDP, a model axis), use more devices or a smaller "
                     "batch.",
                     tuple(row.path for row in largest[:5]),

@@ -49,7 +49,13 @@ def _renderables(plan: Any) -> list[Any]:
             _bytes(row.bytes_per_device),
         )
     devices = rich.table.Table(title="Per device")
-    for column in ("device", "parameters", "optimizer slots", "activations*"):
+    for column in (
+        "device",
+        "parameters",
+        "gradients",
+        "optimizer slots",
+        "activations*",
+    ):
         devices.add_column(column, justify="right")
     devices.add_column("total", justify="right")
     devices.add_column("memory", justify="right")
@@ -58,13 +64,16 @@ def _renderables(plan: Any) -> list[Any]:
         devices.add_row(
             label,
             _bytes(device.parameters),
+            _bytes(device.gradients),
             _bytes(device.optimizer_slots),
             _bytes(device.activations),
             _bytes(device.total),
             _bytes(device.memory),
         )
-    parts = [variables, devices]
+    parts: list[Any] = [verdict(plan), variables, devices]
     parts += [f"* {note}" for note in plan.notes]
+    if plan.compiled is not None:
+        parts += _compiled_renderables(rich, plan.compiled)
     if plan.problems:
         problems = rich.table.Table(title=f"Problems ({len(plan.problems)})")
         problems.add_column("kind")
@@ -75,6 +84,94 @@ def _renderables(plan: Any) -> list[Any]:
     else:
         parts.append("No problems found.")
     return parts
+
+
+def verdict(plan: Any) -> str:
+    """The plan's headline: whether it fits each device, by how much."""
+    compiled = plan.compiled
+    if compiled is not None:
+        failed = [step for step in compiled.steps.values() if step.error]
+        if failed:
+            verdict_word = "Does not fit" if compiled.fits is False else "Failed"
+            return (
+                f"{verdict_word}: XLA refused the {failed[0].kind} step on "
+                f"{compiled.topology}: {failed[0].error.splitlines()[0][:300]}"
+            )
+        if compiled.margin_bytes is not None:
+            peak = compiled.memory - compiled.margin_bytes
+            return _headline(peak, compiled.memory, f"compiled for {compiled.topology}")
+        return (
+            "Fits: unknown (the devices' memory is unknown; pass device_memory=). "
+            f"XLA's peak per device: {_bytes(compiled.peak_bytes)}."
+        )
+    known = [d for d in plan.devices if d.memory is not None]
+    if not known:
+        most = max((d.total for d in plan.devices), default=0)
+        return (
+            f"Fits: unknown (the devices' memory is unknown; pass device_memory=). "
+            f"Per device: {_bytes(most)} (static estimate)."
+        )
+    worst = min(known, key=lambda d: d.memory - d.total)
+    return _headline(worst.total, worst.memory, "static estimate")
+
+
+def _headline(needed: int, memory: int, how: str) -> str:
+    if needed <= memory:
+        return (
+            f"Fits: {_bytes(needed)} of {_bytes(memory)} per device, "
+            f"{_bytes(memory - needed)} to spare ({how})."
+        )
+    return (
+        f"Does not fit: {_bytes(needed)} per device, {_bytes(memory)} there, "
+        f"{_bytes(needed - memory)} short ({how})."
+    )
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "unknown"
+    return f"{value * 1e3:.3g} ms"
+
+
+def _compiled_renderables(rich: Any, compiled: Any) -> list[Any]:
+    title = (
+        f"Compiled for {compiled.topology}: {compiled.devices} x "
+        f"{compiled.device_kind}"
+        + (f", {compiled.num_slices} slices" if compiled.num_slices > 1 else "")
+        + f", computing in {compiled.compute_dtype} (per device)"
+    )
+    table = rich.table.Table(title=title)
+    for column in ("step", "peak (XLA's)", "flops (XLA's)", "collectives (XLA's)"):
+        table.add_column(column, justify="right")
+    for column in ("step time (projected)", "MFU (projected)", "compile"):
+        table.add_column(column, justify="right")
+    for step in compiled.steps.values():
+        if step.error:
+            table.add_row(
+                step.kind,
+                "refused",
+                "",
+                step.error[:200],
+                "",
+                "",
+                f"{step.compile_seconds:.1f} s",
+            )
+            continue
+        moved = ", ".join(
+            f"{name} {_bytes(size)}"
+            for name, size in step.collective_bytes.items()
+            if size
+        )
+        table.add_row(
+            step.kind,
+            _bytes(step.peak_bytes),
+            f"{step.flops:.3g}",
+            moved or "none",
+            _seconds(step.step_seconds),
+            "unknown" if step.mfu is None else _percent(100 * step.mfu),
+            f"{step.compile_seconds:.1f} s",
+        )
+    return [table] + [f"* {note}" for note in compiled.notes]
 
 
 def render_text(plan: Any, width: int = 160) -> str:
@@ -108,6 +205,7 @@ def device_groups(plan: Any) -> list[tuple[str, list[Any]]]:
     for device in plan.devices:
         key = (
             device.parameters,
+            device.gradients,
             device.optimizer_slots,
             device.activations,
             device.memory,
@@ -137,7 +235,7 @@ def plot_plan(plan: Any, path: str) -> str:
 
 def plan_figure(plan: Any) -> Any:
     """A matplotlib `Figure` of the plan: one stacked bar (parameters,
-    optimizer slots, activations) per group of devices that hold the same,
+    gradients, optimizer slots, activations) per group of devices that hold the same,
     each size written on it, the device memory drawn as a line when within
     reach of the bars and written above them when it dwarfs them."""
     try:
@@ -164,6 +262,7 @@ def plan_figure(plan: Any) -> Any:
     positions = list(range(len(groups)))
     segments = [
         ("parameters", [d.parameters for d in firsts]),
+        ("gradients", [d.gradients for d in firsts]),
         ("optimizer slots", [d.optimizer_slots for d in firsts]),
         ("activations (estimate)", [d.activations or 0 for d in firsts]),
     ]

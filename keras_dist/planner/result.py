@@ -37,17 +37,126 @@ class VariableRow:
 
 @dataclass(frozen=True)
 class DeviceTotals:
-    """Bytes one device holds; `memory` is None when unknown."""
+    """Bytes one device holds at the optimizer's update, when the most is
+    alive at once: the variables, a gradient for each trainable one (in its
+    dtype, laid out as it is), the optimizer's slots and the activations'
+    estimate. `memory` is None when unknown."""
 
     device: str
     parameters: int
     optimizer_slots: int
     activations: int | None
     memory: int | None
+    gradients: int = 0
 
     @property
     def total(self) -> int:
-        return self.parameters + self.optimizer_slots + (self.activations or 0)
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer_slots
+            + (self.activations or 0)
+        )
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """What XLA says of one compiled step (`"train"`, `"test"`,
+    `"predict"`), per device, and the roofline's projection of its time.
+
+    `peak_bytes` is XLA's arguments + outputs + temporaries + generated code,
+    less the buffers the outputs alias (the donated state). `flops` and
+    `bytes_accessed` are XLA's cost analysis of one step. `collective_bytes`
+    is read from the compiled program: per kind, the bytes of the buffers its
+    collectives work on (`collective_counts`: how many). `seconds` is the
+    roofline's time for each of `"compute"`, `"memory"`, `"interconnect"` and
+    `"network"` (None where the chip's figure is unknown); `step_seconds` the
+    longest. `error` is XLA's words when it refused to compile the step (out
+    of memory, say): the figures are then None.
+    """
+
+    kind: str
+    compile_seconds: float
+    peak_bytes: int | None = None
+    argument_bytes: int | None = None
+    output_bytes: int | None = None
+    temp_bytes: int | None = None
+    code_bytes: int | None = None
+    alias_bytes: int | None = None
+    flops: float | None = None
+    bytes_accessed: float | None = None
+    collective_bytes: dict[str, int] = field(default_factory=dict)
+    collective_counts: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float | None] = field(default_factory=dict)
+    step_seconds: float | None = None
+    mfu: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    """`keras_dist.plan(..., topology=...)`'s compiled steps on the topology.
+
+    The train step's figures are repeated as attributes (`peak_bytes`,
+    `flops`, `collective_bytes`, `step_seconds`, `mfu`); `steps` has every
+    step compiled. `memory` is one device's memory (the chip's HBM), None
+    when unknown; `fits` whether the train step's peak is within it (None
+    when either is unknown) and `margin_bytes` by how much (negative: short).
+    """
+
+    topology: str
+    device_kind: str
+    devices: int
+    num_slices: int
+    compute_dtype: str
+    steps: dict[str, CompiledStep]
+    memory: int | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def train(self) -> CompiledStep:
+        return self.steps.get("train") or next(iter(self.steps.values()))
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return self.train.peak_bytes
+
+    @property
+    def flops(self) -> float | None:
+        return self.train.flops
+
+    @property
+    def collective_bytes(self) -> dict[str, int]:
+        return self.train.collective_bytes
+
+    @property
+    def step_seconds(self) -> float | None:
+        return self.train.step_seconds
+
+    @property
+    def mfu(self) -> float | None:
+        return self.train.mfu
+
+    @property
+    def margin_bytes(self) -> int | None:
+        peaks = [s.peak_bytes for s in self.steps.values() if s.peak_bytes is not None]
+        if self.memory is None or not peaks:
+            return None
+        return self.memory - max(peaks)
+
+    @property
+    def fits(self) -> bool | None:
+        if any(_out_of_memory(step.error) for step in self.steps.values()):
+            return False
+        margin = self.margin_bytes
+        return None if margin is None else margin >= 0
+
+
+def _out_of_memory(error: str | None) -> bool:
+    return bool(error) and any(
+        word in error.lower()
+        for word in ("resource_exhausted", "out of memory", "exceeds the memory")
+    )
 
 
 @dataclass
@@ -61,6 +170,22 @@ class Plan:
     devices: list[DeviceTotals]
     problems: list[Problem]
     notes: list[str] = field(default_factory=list)
+    compiled: CompiledPlan | None = None
+    # The distribution object laid out (made on the topology's mesh when
+    # `distribution` was a function of it): ready for DistributeCallback.
+    made_distribution: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the job fits each device's memory: the compiled plan's
+        verdict when there is one, else the static totals' (None when the
+        memory is unknown)."""
+        if self.compiled is not None:
+            return self.compiled.fits
+        known = [d for d in self.devices if d.memory is not None]
+        if not known:
+            return None
+        return all(d.total <= d.memory for d in known)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready dicts and lists."""
@@ -78,6 +203,10 @@ class Plan:
                 for p in self.problems
             ],
             "notes": list(self.notes),
+            "fits": self.fits,
+            "compiled": None
+            if self.compiled is None
+            else _compiled_dict(self.compiled),
         }
 
     def __str__(self) -> str:
@@ -100,3 +229,18 @@ class Plan:
         from keras_dist.planner.report import plot_plan  # noqa: PLC0415
 
         return plot_plan(self, path)
+
+
+def _compiled_dict(compiled: CompiledPlan) -> dict[str, Any]:
+    return {
+        "topology": compiled.topology,
+        "device_kind": compiled.device_kind,
+        "devices": compiled.devices,
+        "num_slices": compiled.num_slices,
+        "compute_dtype": compiled.compute_dtype,
+        "memory": compiled.memory,
+        "fits": compiled.fits,
+        "margin_bytes": compiled.margin_bytes,
+        "steps": {kind: dict(step.__dict__) for kind, step in compiled.steps.items()},
+        "notes": list(compiled.notes),
+    }

@@ -103,3 +103,11 @@ def keras_hub_backbone(kind: str) -> keras.Model:
         "qwen3_moe": lambda: models.Qwen3MoeBackbone(head_dim=4, **experts, **common),
     }
     return makers[kind]()
+
+
+def compiled_mlp() -> keras.Model:
+    """`mlp`, compiled: the step the compiled plan compiles needs its loss and
+    optimizer."""
+    model = mlp()
+    model.compile(optimizer="adam", loss="mse")
+    return model

@@ -17,8 +17,8 @@ from jax.experimental import layout as jax_layout
 from jax.experimental import multihost_utils
 
 from keras_dist.backends.base import BackendAdapter
+from keras_dist.backends.jax import compiled_plan, remat
 from keras_dist.backends.jax import keras_internals as internals
-from keras_dist.backends.jax import remat
 from keras_dist.backends.jax.input_adapter import (
     DistributedBatches,
     ProcessLocalBatches,
@@ -369,6 +369,11 @@ class JaxAdapter(BackendAdapter):
 
         internals.route_batches(batches_for_epoch)
         self._on_deactivate(model, internals.unroute_batches)
+        self._install_steps(model, distribution)
+
+    def _install_steps(self, model: Any, distribution: Any) -> None:
+        """keras_dist's steps for `model` (the ones `fit`, `evaluate` and
+        `predict` run, and the compiled plan compiles), until `deactivate`."""
         internals.install_steps(model, distribution, trim_outputs, jax.value_and_grad)
         self._on_deactivate(model, lambda: internals.remove_steps(model))
         layers = layers_of(model)
@@ -384,6 +389,42 @@ class JaxAdapter(BackendAdapter):
         # the step's arrays are global already, so nothing needs summing.
         self._normalize_batches(model, GlobalBatchNorm.Replicas())
         self._count_real_rows(model)
+
+    # -- compiled plans ------------------------------------------------------------
+    def topology_devices(
+        self, platform: str, name: str, count: int, num_slices: int
+    ) -> list[Any]:
+        return compiled_plan.topology_devices(platform, name, count, num_slices)
+
+    def topology_mesh_devices(
+        self, devices: list[Any], shape: tuple[int, ...], num_slices: int
+    ) -> Any:
+        return compiled_plan.device_mesh_array(devices, shape, num_slices)
+
+    def compile_steps(
+        self, model: Any, distribution: Any, data: Any, kinds: tuple[str, ...]
+    ) -> dict[str, dict[str, Any]]:
+        """Compile keras_dist's `kinds` steps ("train", "test", "predict") of
+        `model` under `distribution` on abstract values, `data` being the
+        global `(x, y)` batch as shapes and dtypes. The model's variables need
+        no values. Returns what XLA says of each step (`CompiledStep` fields).
+        """
+        state = compiled_plan.state_structs(model, distribution)
+        previous = keras.distribution.distribution()
+        keras.distribution.set_distribution(distribution)
+        self._install_steps(model, distribution)
+        try:
+            steps = {}
+            for kind in kinds:
+                batch = compiled_plan.batch_structs(
+                    distribution, data[:1] if kind == "predict" else data
+                )
+                step = compiled_plan.compile_step(model, kind, state, batch)
+                steps[kind] = {**step.__dict__, "peak_bytes": step.peak_bytes}
+            return steps
+        finally:
+            self._undo_activation(model)
+            keras.distribution.set_distribution(previous)
 
     def deactivate(self, model: Any) -> None:
         self._undo_activation(model)

@@ -61,6 +61,8 @@ def check() -> list[str]:
         "train_step",
         "test_step",
         "predict_step",
+        "_get_state_sharding_spec",
+        "_make_function",
     ):
         if not hasattr(JAXTrainer, name):
             missing.append(f"JAXTrainer.{name}")
@@ -440,6 +442,38 @@ def _masked_steps(
     }
 
 
+_STEP_KINDS = ("train", "test", "predict")
+
+
+def keras_step_function(model: Any, kind: str, state_shardings: tuple) -> Any:
+    """The jitted step Keras' `make_{kind}_function` builds for `model` (the
+    one `fit`, `evaluate` or `predict` runs, with Keras' own donation and
+    output shardings), for a state laid out as `state_shardings` (the four
+    lists `_get_state_sharding_spec` returns: trainable, non-trainable,
+    optimizer and metrics variables). The model's variables need no value:
+    the shardings are given, not read from them. The model keeps the step
+    functions it had."""
+    if kind not in _STEP_KINDS:
+        raise ValueError(f"`kind` must be one of {_STEP_KINDS}. Received: {kind!r}")
+    names = (f"{kind}_function", "_get_state_sharding_spec", "_make_function")
+    saved = {name: model.__dict__[name] for name in names if name in model.__dict__}
+    captured: list[Any] = []
+
+    def make_function(step: Any, concatenate_outputs: bool = False) -> Any:
+        captured.append(step)
+        return step
+
+    model._get_state_sharding_spec = lambda: state_shardings
+    model._make_function = make_function
+    try:
+        getattr(model, f"make_{kind}_function")(force=True)
+    finally:
+        for name in names:
+            model.__dict__.pop(name, None)
+        model.__dict__.update(saved)
+    return captured[0]
+
+
 def remove_steps(model: Any) -> None:
     """Put Keras' own steps back, keeping the compiled ones for the next run."""
     remove_cached_steps(model)
@@ -449,6 +483,7 @@ __all__ = [
     "assign_host_values_through",
     "check",
     "install_steps",
+    "keras_step_function",
     "place_tensors_through",
     "read_variables_through",
     "relayout_variable",

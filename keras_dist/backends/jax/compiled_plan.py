@@ -1,0 +1,377 @@
+"""Compile `fit`'s own steps for devices this machine need not have.
+
+A TPU topology (`"v5e:16x16"`, two slices of `"v5p:4x4x4"`) is described by
+`libtpu` on any host (`jax.experimental.topologies`): its devices can be put
+in a mesh and compiled for, not run on. `"cpu:N"` is N CPU devices of this
+process. The steps compiled are the ones Keras' `make_*_function` jits for
+the model with keras_dist's steps installed, lowered on abstract values
+(`jax.ShapeDtypeStruct`s carrying the variables' and the batch's shardings):
+nothing is allocated. What XLA says of the compiled program is read here:
+
+    memory_analysis()   arguments + outputs + temporaries + code - aliased
+    cost_analysis()     flops, bytes accessed (per device)
+    as_text()           every collective, its kind and its bytes per device
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from keras_dist.backends.jax import keras_internals as internals
+from keras_dist.common.padding import MaskedBatch, padded_size
+from keras_dist.keras_compat.optimizers import slot_owners
+
+COLLECTIVES = (
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "all-to-all",
+    "collective-permute",
+)
+# HLO element types and their bits.
+_BITS = {
+    "pred": 8,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z0-9]*)?)\[([0-9,]*)\]")
+_INSTRUCTION = re.compile(
+    r"=\s*(?P<type>.+?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\("
+)
+_CHANNEL = re.compile(r"channel_id=(\d+)")
+# The chips of one TPU host along each axis of a slice, as libtpu assumes.
+_HOST_CHIPS = (2, 2, 1)
+
+
+@dataclass
+class CompiledStep:
+    """What XLA says of one compiled step, per device.
+
+    `error` is XLA's words when it refused to compile the step (out of
+    memory, say); the figures are then None.
+    """
+
+    kind: str
+    compile_seconds: float
+    argument_bytes: int | None = None
+    output_bytes: int | None = None
+    temp_bytes: int | None = None
+    code_bytes: int | None = None
+    alias_bytes: int | None = None
+    flops: float | None = None
+    bytes_accessed: float | None = None
+    collective_bytes: dict[str, int] = field(default_factory=dict)
+    collective_groups: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        parts = (self.argument_bytes, self.output_bytes, self.temp_bytes)
+        if any(part is None for part in parts):
+            return None
+        return (
+            self.argument_bytes
+            + self.output_bytes
+            + self.temp_bytes
+            + (self.code_bytes or 0)
+            - (self.alias_bytes or 0)
+        )
+
+
+# -- devices -------------------------------------------------------------------
+def libtpu_problem() -> str | None:
+    """Why TPU topologies cannot be compiled for here (libtpu missing or not
+    the version this JAX pairs with), or None."""
+    wanted = [
+        requirement.split(";")[0].strip()
+        for requirement in importlib.metadata.requires("jax") or []
+        if requirement.startswith("libtpu") and 'extra == "tpu"' in requirement
+    ]
+    pin = wanted[0] if wanted else "libtpu"
+    install = f'pip install "keras-dist[tpu]" (or "jax[tpu]=={jax.__version__}")'
+    try:
+        found = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return (
+            f"compiling for a TPU topology needs libtpu ({pin}, the version jax "
+            f"{jax.__version__} pairs with), which is not installed: {install}"
+        )
+    if wanted and "==" in pin:
+        version = pin.split("==", 1)[1].strip()
+        prefix = version.rstrip("*").rstrip(".")
+        if not (found == version or found.startswith(prefix + ".") or found == prefix):
+            return (
+                f"libtpu {found} is installed, but jax {jax.__version__} pairs "
+                f"with {pin}: {install}"
+            )
+    return None
+
+
+def topology_devices(platform: str, name: str, count: int, num_slices: int) -> list:
+    """The devices of a TPU topology (`platform="tpu"`, `name` as libtpu
+    spells it, e.g. "v5e:16x16") or `count` CPU devices of this process."""
+    if platform == "cpu":
+        devices = jax.devices("cpu")
+        if len(devices) < count:
+            raise ValueError(
+                f"topology='cpu:{count}' needs {count} CPU devices in this "
+                f"process; it has {len(devices)}. Set KERAS_DIST_CPU_DEVICES="
+                f"{count} before the process starts (or XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={count})."
+            )
+        return list(devices[:count])
+    problem = libtpu_problem()
+    if problem is not None:
+        raise RuntimeError(problem[0].upper() + problem[1:] + ".")
+    # libtpu asks a cloud metadata server about the host otherwise.
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    options: dict[str, Any] = {"num_slices": num_slices} if num_slices > 1 else {}
+    # libtpu lays a slice out on hosts of 2x2 chips unless told otherwise: a
+    # slice smaller than one host (a single v5e chip, "v5e:1x1") is one host
+    # of its own size.
+    grid = [int(size) for size in name.partition(":")[2].split("x") if size]
+    grid += [1] * (3 - len(grid))
+    if any(size % host for size, host in zip(grid, _HOST_CHIPS, strict=True)):
+        options["chips_per_host_bounds"] = tuple(
+            min(size, host) for size, host in zip(grid, _HOST_CHIPS, strict=True)
+        )
+    try:
+        description = topologies.get_topology_desc(
+            topology_name=name, platform="tpu", **options
+        )
+    except Exception as error:  # libtpu's runtime error type
+        raise ValueError(
+            f"libtpu refused the topology {name!r}"
+            f"{f' x {num_slices} slices' if num_slices > 1 else ''}: {error}"
+        ) from error
+    return list(description.devices)
+
+
+def device_mesh_array(
+    devices: list, shape: tuple[int, ...], num_slices: int
+) -> np.ndarray:
+    """`devices` arranged as a mesh of `shape`, neighbours in the slice's
+    links next to each other (`mesh_utils`); with several slices, the first
+    axis that the slice count divides spans the slices (data-center network)
+    and the rest stays within each slice."""
+    from jax.experimental import mesh_utils  # noqa: PLC0415
+
+    if len(devices) != int(np.prod(shape)):
+        raise ValueError(
+            f"A mesh of shape {shape} needs {int(np.prod(shape))} devices; the "
+            f"topology has {len(devices)}."
+        )
+    if num_slices == 1:
+        try:
+            return mesh_utils.create_device_mesh(shape, devices)
+        except (ValueError, NotImplementedError, AssertionError):
+            return np.asarray(devices, dtype=object).reshape(shape)
+    across = [1] * len(shape)
+    for axis, size in enumerate(shape):
+        if size % num_slices == 0:
+            across[axis] = num_slices
+            break
+    else:
+        raise ValueError(
+            f"With {num_slices} slices one mesh axis must span them: no axis "
+            f"of shape {shape} is a multiple of {num_slices}."
+        )
+    within = [size // slices for size, slices in zip(shape, across, strict=True)]
+    return mesh_utils.create_hybrid_device_mesh(
+        within, across, devices, allow_split_physical_axes=True
+    )
+
+
+def mesh_slices(devices: list) -> dict[int, int]:
+    """Each device's id and the slice it belongs to (0 for one slice)."""
+    return {device.id: getattr(device, "slice_index", 0) or 0 for device in devices}
+
+
+# -- the steps -----------------------------------------------------------------
+def _layout(distribution: Any, variable: Any) -> Any:
+    return distribution.layout_for_variable(variable).backend_layout
+
+
+def state_structs(model: Any, distribution: Any) -> tuple:
+    """The model's training state as `jax.ShapeDtypeStruct`s, each with the
+    sharding keras_dist gives the variable (an optimizer slot the one of the
+    variable it mirrors), in the four lists of Keras' JAX state."""
+
+    def struct(variable: Any, owner: Any = None) -> Any:
+        return jax.ShapeDtypeStruct(
+            tuple(variable.shape),
+            variable.dtype,
+            sharding=_layout(distribution, owner if owner is not None else variable),
+        )
+
+    optimizer = getattr(model, "optimizer", None)
+    optimizer_variables = list(optimizer.variables) if optimizer is not None else []
+    owners = slot_owners(optimizer, model.trainable_variables) if optimizer else {}
+    return (
+        [struct(v) for v in model.trainable_variables],
+        [struct(v) for v in model.non_trainable_variables],
+        [struct(v, owners.get(id(v))) for v in optimizer_variables],
+        [struct(v) for v in model.metrics_variables],
+    )
+
+
+def batch_structs(distribution: Any, data: Any) -> Any:
+    """The global batch `data` (objects with `shape` and `dtype`) as fit hands
+    it to a step: laid out along the batch axis, and padded with a mask when
+    its rows do not divide the batch shards."""
+    shards = distribution.num_model_replicas
+    rows = next(int(leaf.shape[0]) for leaf in jax.tree_util.tree_leaves(data))
+    padded = padded_size(rows, shards)
+
+    def struct(leaf: Any, size: int) -> Any:
+        shape = (size, *tuple(leaf.shape)[1:])
+        sharding = distribution.get_data_layout(shape).backend_layout
+        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding)
+
+    placed = jax.tree_util.tree_map(lambda leaf: struct(leaf, padded), data)
+    if padded == rows:
+        return placed
+    mask = jax.ShapeDtypeStruct(
+        (padded,),
+        np.float32,
+        sharding=distribution.get_data_layout((padded,)).backend_layout,
+    )
+    return MaskedBatch(placed, mask)
+
+
+def _state_for(kind: str, state: tuple) -> tuple:
+    trainable, non_trainable, optimizer_variables, metrics_variables = state
+    if kind == "train":
+        return state
+    if kind == "test":
+        return (trainable, non_trainable, metrics_variables)
+    return (trainable, non_trainable)
+
+
+def _sharding_tree(state: tuple) -> tuple:
+    return tuple([leaf.sharding for leaf in part] for part in state)
+
+
+def compile_step(model: Any, kind: str, state: tuple, batch: Any) -> CompiledStep:
+    """Lower and compile Keras' jitted `kind` step of `model` on `state` and
+    `batch` (abstract), and read what XLA says of it. A step XLA refuses
+    (out of memory, say) comes back with `error` set."""
+    started = time.perf_counter()
+    step = internals.keras_step_function(model, kind, _sharding_tree(state))
+    try:
+        compiled = step.lower(_state_for(kind, state), batch).compile()
+    except Exception as error:  # XLA's runtime error types
+        return CompiledStep(kind, time.perf_counter() - started, error=str(error))
+    seconds = time.perf_counter() - started
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    moved, groups = collectives(compiled.as_text())
+    return CompiledStep(
+        kind,
+        seconds,
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        code_bytes=int(memory.generated_code_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        collective_bytes=moved,
+        collective_groups=groups,
+    )
+
+
+def _array_bytes(type_text: str) -> list[int]:
+    sizes = []
+    for element, dims in _ARRAY.findall(type_text):
+        bits = _BITS.get(element, 8 if element.startswith("f8") else None)
+        if bits is None:
+            continue
+        count = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        sizes.append(count * bits // 8)
+    return sizes
+
+
+def collectives(hlo_text: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes per device each kind of collective works on in one run of the
+    compiled program `hlo_text`, and how many of each there are.
+
+    The bytes of a collective are its full buffer on one device: what an
+    all-gather returns, what a reduce-scatter is given, the buffer an
+    all-reduce, all-to-all or collective-permute exchanges. A collective XLA
+    placed in several computations (an asynchronous start and its
+    continuation) carries one channel id and is counted once."""
+    seen: dict[tuple[str, str], int] = {}
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.search(line)
+        if match is None:
+            continue
+        op = match.group("op")
+        sizes = _array_bytes(match.group("type"))
+        if not sizes:
+            continue
+        if match.group("start") and op in ("all-gather", "collective-permute"):
+            # (operands..., results..., contexts...): the largest is the
+            # gathered result; a permute's operand and result are equal.
+            moved = max(sizes)
+        else:
+            moved = sum(sizes)
+        if op == "reduce-scatter":
+            moved *= _group_size(line)
+        channel = _CHANNEL.search(line)
+        key = (op, channel.group(1) if channel else line)
+        seen[key] = max(seen.get(key, 0), moved)
+    moved_by_kind = dict.fromkeys(COLLECTIVES, 0)
+    groups = dict.fromkeys(COLLECTIVES, 0)
+    for (op, _), size in seen.items():
+        moved_by_kind[op] += size
+        groups[op] += 1
+    return moved_by_kind, groups
+
+
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def _group_size(line: str) -> int:
+    """The number of devices in each group of the collective on `line`."""
+    listed = _GROUPS_LIST.search(line)
+    if listed:
+        return max(1, len([d for d in listed.group(1).split(",") if d]))
+    iota = _GROUPS_IOTA.search(line)
+    if iota:
+        return int(iota.group(2))
+    mesh = _GROUPS_MESH.search(line)
+    if mesh:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
+        names = re.findall(r"'([^']+)'", mesh.group(2))
+        return int(np.prod([int(sizes.get(name, 1)) for name in names] or [1]))
+    return 1

@@ -1,0 +1,102 @@
+"""`keras-dist plan --search`: `keras_dist.plan_search` from the command
+line (the flags `keras-dist plan` adds for it, and the command itself)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+#: The `plan_search` arguments `--search` sets, and their flags.
+SEARCH_FLAGS = {
+    "time_budget": "--time-budget",
+    "processes": "--processes",
+    "cache_dir": "--cache-dir",
+}
+#: `keras-dist plan` flags that choose one distribution: the search chooses.
+_CHOSEN_BY_THE_SEARCH = {
+    "mesh": "--mesh",
+    "axes": "--axes",
+    "fsdp": "--fsdp",
+    "layout_map": "--layout-map",
+    "png": "--png",
+}
+
+
+def add_search_flags(parser: argparse.ArgumentParser) -> None:
+    """`--search`, `--time-budget`, `--processes` and `--cache-dir`."""
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="with --topology (JAX): compile the candidate distributions (data "
+        "parallel, FSDP, FSDP x tensor parallel, remat off and on) and print "
+        "them ranked, those that fit first, then by projected step time; the "
+        "train step is compiled",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="with --search: start no candidate once these are spent",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="with --search: candidates compiled at once, in worker processes",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        metavar="PATH",
+        help="with --search: keep each compiled candidate there, and reuse it",
+    )
+
+
+def run_search(
+    arguments: argparse.Namespace,
+    model: Any,
+    memory: int | None,
+    input_shape: Any,
+    said_as_flags: Callable[[str], str],
+) -> int:
+    """`keras-dist plan MODULE:FUNCTION --search`: 0 when a candidate fits
+    (or the memory is unknown), 1 when none does or the search is refused."""
+    from keras_dist.planner.search import plan_search  # noqa: PLC0415
+
+    chosen = [
+        flag for name, flag in _CHOSEN_BY_THE_SEARCH.items() if getattr(arguments, name)
+    ]
+    if chosen:
+        arguments.usage_error(
+            f"--search chooses the mesh and the distribution itself: leave out "
+            f"{', '.join(chosen)}."
+        )
+    try:
+        results = plan_search(
+            model,
+            topology=arguments.topology,
+            batch_size=arguments.batch_size,
+            num_slices=arguments.num_slices,
+            sequence_length=arguments.sequence_length,
+            input_shape=input_shape,
+            time_budget=arguments.time_budget,
+            processes=arguments.processes,
+            cache_dir=arguments.cache_dir,
+            device_memory=memory,
+        )
+    except (TypeError, ValueError, NotImplementedError, RuntimeError) as error:
+        print(f"keras-dist plan --search: {said_as_flags(str(error))}", file=sys.stderr)
+        return 1
+    if arguments.json:
+        print(json.dumps(results.to_dict()))
+    else:
+        print(results)
+    if results.best is None:
+        print("keras-dist plan --search: no candidate fits", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["SEARCH_FLAGS", "add_search_flags", "run_search"]

@@ -1,0 +1,290 @@
+"""The candidates `keras_dist.plan_search` compiles: a policy, a mesh shape
+and a remat setting each, and the function of the mesh that makes each one's
+distribution for a model.
+
+    data_parallel  DataParallel on {"batch": N}
+    fsdp           FSDP on {"batch": N}
+    fsdp_tp        FSDP x tensor parallel on {"batch": N / m, "model": m}: the
+                   KerasHub backbone's own layout map (`layouts.for_keras_hub`)
+                   or, for other models, `layouts.tensor_parallel`, with FSDP
+                   splitting what the map leaves along "batch"
+
+each with remat off and on ("blocks": each transformer block of a KerasHub
+model recomputed as one piece; "full" otherwise). `m` runs over the powers
+of two that divide the device count, the model's attention heads and its
+width, smallest first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+
+from keras_dist.distribution.policies import FSDP, DataParallel
+from keras_dist.keras_compat.layers import layers_of
+from keras_dist.planner.paper_mesh import check_mesh
+from keras_dist.planner.swapped import model_width
+
+POLICIES = ("data_parallel", "fsdp", "fsdp_tp")
+#: `Candidate.remat`: off, Keras' modes, or "blocks" (each transformer block
+#: of a KerasHub model, `keras.RematScope(mode="list_of_layers")`).
+REMAT = (None, "full", "activations", "larger_than", "blocks")
+BATCH_AXIS = "batch"
+MODEL_AXIS = "model"
+_LABELS = {
+    "data_parallel": "DataParallel",
+    "fsdp": "FSDP",
+    "fsdp_tp": "FSDP x TP",
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One distribution `keras_dist.plan_search` compiles.
+
+    Attributes:
+        policy: `"data_parallel"`, `"fsdp"` or `"fsdp_tp"` (FSDP along
+            `"batch"` with a tensor-parallel layout map along `"model"`).
+        mesh: `{"batch": d}` or `{"batch": d, "model": m}`, data axis first.
+        remat: None (off), a Keras remat mode (`"full"`, `"activations"`,
+            `"larger_than"`) or `"blocks"`: each transformer block of a
+            KerasHub model (its backbone's `transformer_layers`) recomputed.
+
+    Example:
+
+    >>> candidate = Candidate("fsdp_tp", {"batch": 64, "model": 4}, remat="blocks")
+    >>> candidate.description
+    'FSDP x TP, batch=64 model=4, remat blocks'
+    """
+
+    policy: str
+    mesh: Mapping[str, int] = field(hash=False)
+    remat: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"`policy` must be one of {POLICIES}. Received: policy={self.policy!r}"
+            )
+        check_mesh(self.mesh)
+        object.__setattr__(self, "mesh", {str(a): int(s) for a, s in self.mesh.items()})
+        if next(iter(self.mesh)) != BATCH_AXIS or (
+            self.policy == "fsdp_tp" and list(self.mesh) != [BATCH_AXIS, MODEL_AXIS]
+        ):
+            raise ValueError(
+                f"A candidate's mesh is {{'{BATCH_AXIS}': d}} or, for fsdp_tp, "
+                f"{{'{BATCH_AXIS}': d, '{MODEL_AXIS}': m}}. Received: "
+                f"policy={self.policy!r}, mesh={self.mesh!r}"
+            )
+        if self.remat not in REMAT:
+            raise ValueError(
+                f"`remat` must be one of {REMAT}. Received: remat={self.remat!r}"
+            )
+
+    @property
+    def label(self) -> str:
+        return _LABELS[self.policy]
+
+    @property
+    def mesh_text(self) -> str:
+        return " ".join(f"{axis}={size}" for axis, size in self.mesh.items())
+
+    @property
+    def description(self) -> str:
+        return f"{self.label}, {self.mesh_text}, remat {self.remat or 'off'}"
+
+    @property
+    def twin(self) -> Candidate:
+        """The same policy and mesh with remat off."""
+        return Candidate(self.policy, self.mesh)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "mesh": dict(self.mesh), "remat": self.remat}
+
+    def distribution_function(self, model: Any) -> Callable[[Any], Any]:
+        """The function of the `DeviceMesh` that makes this candidate's
+        distribution for `model` (built: a tensor-parallel layout map is
+        read from its variables)."""
+        remat = remat_scope(model, self.remat)
+        policy = self.policy
+
+        def make(mesh: Any) -> Any:
+            if policy == "data_parallel":
+                return DataParallel(mesh, remat=remat)
+            layout_map = (
+                tensor_parallel_map(model, mesh) if policy == "fsdp_tp" else None
+            )
+            return FSDP(mesh, axis=BATCH_AXIS, layout_map=layout_map, remat=remat)
+
+        return make
+
+
+def keras_hub_backbone(model: Any) -> Any:
+    """The KerasHub backbone `model` is or holds (a task's `backbone`), or None."""
+    for owner in (model, getattr(model, "backbone", None)):
+        if (
+            isinstance(owner, keras.Model)
+            and type(owner).__module__.startswith("keras_hub")
+            and hasattr(type(owner), "get_layout_map")
+        ):
+            return owner
+    return None
+
+
+def tensor_parallel_map(model: Any, mesh: Any) -> Any:
+    """KerasHub's own layout map for a KerasHub model, else Megatron-style
+    tensor parallelism of its Dense, attention and embedding layers."""
+    # An upward import (tests/test_package_rules.py UPWARD_ALLOWED): the
+    # layout presets sit above the planner because they read its
+    # swapped-axes rule; the search composes them into its candidates.
+    from keras_dist import layouts  # noqa: PLC0415
+
+    backbone = keras_hub_backbone(model)
+    if backbone is not None:
+        return layouts.for_keras_hub(
+            backbone, mesh, model_axis=MODEL_AXIS, data_axis=BATCH_AXIS
+        )
+    return layouts.tensor_parallel(model, mesh, model_axis=MODEL_AXIS)
+
+
+def transformer_blocks(model: Any) -> list[str]:
+    """The names of a KerasHub model's transformer blocks (its backbone's
+    `transformer_layers`), or [] for other models."""
+    for owner in (model, getattr(model, "backbone", None)):
+        blocks = getattr(owner, "transformer_layers", None)
+        if isinstance(blocks, (list, tuple)) and blocks:
+            return [block.name for block in blocks]
+    return []
+
+
+def remat_scope(model: Any, remat: str | None) -> Any:
+    """What a distribution's `remat=` takes for a candidate's `remat`."""
+    if remat != "blocks":
+        return remat
+    names = transformer_blocks(model)
+    if not names:
+        raise ValueError(
+            "remat='blocks' recomputes a KerasHub model's transformer blocks (its "
+            f"backbone's `transformer_layers`); model {model.name!r} has none. Use "
+            "remat='full'."
+        )
+    return keras.RematScope(mode="list_of_layers", layer_names=names)
+
+
+def attention_heads(model: Any) -> int | None:
+    """The attention heads a model axis must divide: a KerasHub backbone's
+    query heads, else the common divisor of its MultiHeadAttention layers'
+    heads; None when it has none."""
+    for owner in (model, getattr(model, "backbone", None)):
+        for name in ("num_query_heads", "num_heads"):
+            heads = getattr(owner, name, None)
+            if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0:
+                return heads
+    counts = [
+        layer.num_heads
+        for layer in layers_of(model)
+        if isinstance(layer, keras.layers.MultiHeadAttention)
+    ]
+    return math.gcd(*counts) if counts else None
+
+
+def model_axis_sizes(model: Any, devices: int, num_slices: int = 1) -> list[int]:
+    """The sizes of a model axis worth trying: powers of two from 2 that
+    divide the device count, the attention heads and the model's width,
+    leaving a batch axis the slice count divides."""
+    heads = attention_heads(model)
+    width = model_width(model, [(v.path, tuple(v.shape)) for v in model.weights])
+    sizes = []
+    size = 2
+    while size <= devices:
+        if (
+            devices % size == 0
+            and (devices // size) % num_slices == 0
+            and (heads is None or heads % size == 0)
+            and (width is None or width % size == 0)
+        ):
+            sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def default_candidates(
+    model: Any, devices: int, num_slices: int = 1
+) -> list[Candidate]:
+    """Every candidate for `model` on `devices` devices, in the order they are
+    tried: data parallel, FSDP, then FSDP x TP by growing model axis; each
+    with remat off, then on."""
+    remat = "blocks" if transformer_blocks(model) else "full"
+    whole = {BATCH_AXIS: devices}
+    meshes = [("data_parallel", whole), ("fsdp", whole)] + [
+        ("fsdp_tp", {BATCH_AXIS: devices // size, MODEL_AXIS: size})
+        for size in model_axis_sizes(model, devices, num_slices)
+    ]
+    return [
+        Candidate(policy, mesh, setting)
+        for policy, mesh in meshes
+        for setting in (None, remat)
+    ]
+
+
+def chosen_candidates(
+    given: Any, model: Any, devices: int, num_slices: int
+) -> list[Candidate]:
+    """`plan_search`'s `candidates`: None (every default one), policy names
+    (the default ones of those policies) or `Candidate`s, checked against the
+    topology's device count."""
+    if given is None:
+        return default_candidates(model, devices, num_slices)
+    if isinstance(given, (str, Candidate)) or not isinstance(given, (list, tuple)):
+        raise TypeError(
+            "`candidates` must be a list of policy names "
+            f"{POLICIES} or of keras_dist.planner.Candidate. Received: "
+            f"candidates={given!r}"
+        )
+    if not given:
+        raise ValueError("`candidates` must name at least one. Received: []")
+    if all(isinstance(item, str) for item in given):
+        unknown = [name for name in given if name not in POLICIES]
+        if unknown:
+            raise ValueError(
+                f"Unknown policies {unknown} in `candidates`: give some of "
+                f"{POLICIES}. Received: candidates={given!r}"
+            )
+        return [
+            candidate
+            for candidate in default_candidates(model, devices, num_slices)
+            if candidate.policy in given
+        ]
+    if not all(isinstance(item, Candidate) for item in given):
+        raise TypeError(
+            "`candidates` must be all policy names or all Candidates. Received: "
+            f"candidates={given!r}"
+        )
+    for candidate in given:
+        count = math.prod(candidate.mesh.values())
+        if count != devices:
+            raise ValueError(
+                f"Candidate {candidate.description!r} has a mesh of {count} "
+                f"devices; the topology has {devices}."
+            )
+        remat_scope(model, candidate.remat)
+    return list(given)
+
+
+__all__ = [
+    "Candidate",
+    "POLICIES",
+    "REMAT",
+    "attention_heads",
+    "chosen_candidates",
+    "default_candidates",
+    "keras_hub_backbone",
+    "model_axis_sizes",
+    "remat_scope",
+    "tensor_parallel_map",
+    "transformer_blocks",
+]

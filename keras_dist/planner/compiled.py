@@ -1,0 +1,414 @@
+"""The compiled plan: `fit`'s own steps compiled for a topology, and the
+roofline that projects their time.
+
+The backend compiles (`BackendAdapter.compile_steps`: JAX only); this module
+makes the model without values, the mesh on the topology's devices and the
+distribution on it, checks what can be checked before anything compiles,
+and turns what XLA says into a `CompiledPlan`.
+
+Roofline, per device and step (figures from `common.accelerators`):
+
+    compute       flops / peak FLOP/s of the chip in the compute dtype
+    memory        bytes accessed / HBM bandwidth
+    interconnect  (2 x all-reduce + all-gather + reduce-scatter + all-to-all
+                   + collective-permute bytes) / ICI bandwidth
+    network       with several slices: 2 x all-reduce bytes / the chip's
+                  share of the data-center network (the gradients' reduction
+                  crosses slices when the batch axis spans them)
+    step_seconds  the longest of the four (they overlap at best)
+    mfu           compute / step_seconds
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import keras
+
+from keras_dist.backends import get_adapter
+from keras_dist.common import accelerators
+from keras_dist.distribution.remat import rematerialize
+from keras_dist.keras_compat.abstract_models import (
+    abstract_variables,
+    build_for_training,
+)
+from keras_dist.keras_compat.distribution import KerasDistribution
+from keras_dist.planner.model import input_specs, input_structure, made_model
+from keras_dist.planner.paper_mesh import check_mesh, distribution_on_mesh
+from keras_dist.planner.result import CompiledPlan, CompiledStep, Plan
+from keras_dist.planner.topology import Topology, parse_topology
+
+STEP_KINDS = ("train", "test", "predict")
+
+
+class TopologyMesh:
+    """The devices of a topology and meshes made on them."""
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+        adapter = get_adapter()
+        self.devices = adapter.topology_devices(
+            topology.platform,
+            topology.libtpu_name,
+            topology.chips,
+            topology.num_slices,
+        )
+        first = self.devices[0]
+        self.device_kind = (
+            "cpu" if first.platform == "cpu" else str(getattr(first, "device_kind", ""))
+        )
+
+    def distribution(self, distribution: Any, mesh: Mapping[str, int] | None) -> Any:
+        """`distribution` (a function of the mesh) on a mesh of `mesh`'s shape
+        (default: every device on the one axis the function's own mesh
+        would name) made of the topology's devices."""
+        if isinstance(distribution, KerasDistribution):
+            raise TypeError(
+                "With topology=, `distribution` must be a function of the "
+                "DeviceMesh returning the distribution (keras_dist.FSDP, "
+                "keras_dist.DataParallel, or lambda mesh: keras_dist.ModelParallel"
+                "(...)): the mesh is made on the topology's devices. Received: "
+                f"distribution={distribution!r}"
+            )
+        if not callable(distribution):
+            raise TypeError(
+                "`distribution` must be a function of the DeviceMesh. Received: "
+                f"distribution={distribution!r}"
+            )
+        sizes = dict(mesh) if mesh is not None else {"batch": len(self.devices)}
+        if math.prod(sizes.values()) != len(self.devices):
+            raise ValueError(
+                f"The mesh {sizes} has {math.prod(sizes.values())} devices; the "
+                f"topology {self.topology.name!r} has {len(self.devices)}. Give a "
+                "mesh whose sizes multiply to the topology's device count."
+            )
+        array = get_adapter().topology_mesh_devices(
+            self.devices, tuple(sizes.values()), self.topology.num_slices
+        )
+        made, _ = distribution_on_mesh(distribution, sizes, devices=array)
+        return made
+
+    def memory(self) -> int | None:
+        return accelerators.memory_bytes(self.device_kind)
+
+
+def check_topology_arguments(topology: Any, num_slices: Any, mesh: Any) -> Topology:
+    """The topology, read before any engine is asked (bad names, slices)."""
+    parsed = parse_topology(topology, num_slices)
+    if mesh is not None:
+        count = math.prod(int(size) for size in dict(mesh).values())
+        devices = parsed.chips * parsed.num_slices
+        if parsed.platform == "tpu" and count != devices and count * 2 != devices:
+            # (v4 and v5p compile-only topologies may list a device per core.)
+            raise ValueError(
+                f"The mesh {dict(mesh)} has {count} devices; the topology "
+                f"{parsed.name!r} has {devices} chips. Give a mesh whose sizes "
+                "multiply to the topology's device count."
+            )
+        if parsed.platform == "cpu" and count != devices:
+            raise ValueError(
+                f"The mesh {dict(mesh)} has {count} devices; the topology "
+                f"{parsed.name!r} has {devices}."
+            )
+    return parsed
+
+
+def abstract_model(model: Any, input_shape: Any) -> Any:
+    """`model` itself, or the model a function makes, made (and compiled, if
+    the function compiles it) and built without allocating its variables."""
+    with abstract_variables():
+        return made_model(model, input_shape)
+
+
+def check_trainable(model: Any, kinds: tuple[str, ...]) -> None:
+    """Refuse, before compiling, a model whose train or test step cannot run."""
+    needs_loss = [kind for kind in kinds if kind in ("train", "test")]
+    if not needs_loss:
+        return
+    if getattr(model, "optimizer", None) is None or not getattr(
+        model, "compiled", False
+    ):
+        raise ValueError(
+            f"The compiled plan of the {' and '.join(needs_loss)} step needs a "
+            "compiled model (its loss and optimizer are part of the step): call "
+            "model.compile(optimizer=..., loss=...) in the model function, or "
+            "plan only prediction with steps=('predict',). Received: model "
+            f"{model.name!r}, not compiled."
+        )
+    if getattr(model, "loss", None) is None and not _overrides_loss(model):
+        raise ValueError(
+            f"The compiled plan of the {' and '.join(needs_loss)} step needs a "
+            f"loss: model {model.name!r} was compiled without one. Give "
+            "model.compile(loss=...)."
+        )
+
+
+def _overrides_loss(model: Any) -> bool:
+    return any(
+        name in type(model).__dict__
+        for name in ("compute_loss", "train_step", "compute_loss_and_updates")
+    ) or any(
+        "compute_loss" in klass.__dict__
+        for klass in type(model).__mro__
+        if not klass.__module__.startswith("keras.")
+    )
+
+
+def batch_data(
+    model: Any,
+    batch_size: int,
+    input_shape: Any,
+    sequence_length: int | None,
+    target_shape: Any,
+) -> tuple[Any, Any]:
+    """The global batch `(x, y)` as `keras.KerasTensor`s of `batch_size`
+    rows: x from the model's inputs (or `input_shape` / `sequence_length`),
+    y as the compiled loss expects it (`target_shape` says it otherwise)."""
+    specs = input_specs(model, input_shape, sequence_length)
+    if specs is None:
+        specs = input_structure(model)
+    if specs is None:
+        raise ValueError(
+            "The compiled plan needs the model's input shapes: the model is "
+            "subclassed; pass input_shape=."
+        )
+
+    def with_rows(tensor: Any) -> Any:
+        shape = tuple(tensor.shape)[1:]
+        if any(size is None for size in shape):
+            raise ValueError(
+                f"An input of the model has unknown dimensions {tuple(tensor.shape)}"
+                " (e.g. a sequence length): pass input_shape= (or "
+                "sequence_length= for a KerasHub model's (batch, sequence) inputs)."
+            )
+        return keras.KerasTensor((batch_size, *shape), dtype=tensor.dtype)
+
+    x = keras.tree.map_structure(with_rows, specs)
+    with abstract_variables():
+        outputs = keras.tree.flatten(model.compute_output_spec(x))
+    losses = keras.tree.flatten(getattr(model, "loss", None) or [None])
+    if target_shape is not None:
+        y = keras.KerasTensor(
+            (batch_size, *tuple(target_shape)), dtype=_target_dtype(losses[0])
+        )
+        return x, y
+    targets = []
+    for index, output in enumerate(outputs):
+        loss = losses[index] if index < len(losses) else losses[-1]
+        shape = tuple(output.shape)
+        if _is_sparse(loss):
+            targets.append(keras.KerasTensor(shape[:-1], dtype="int32"))
+        else:
+            targets.append(keras.KerasTensor(shape, dtype="float32"))
+    return x, targets[0] if len(targets) == 1 else tuple(targets)
+
+
+def _is_sparse(loss: Any) -> bool:
+    name = loss if isinstance(loss, str) else type(loss).__name__
+    name = getattr(loss, "name", None) or name
+    return "sparse" in str(name).lower() or "Sparse" in type(loss).__name__
+
+
+def _target_dtype(loss: Any) -> str:
+    return "int32" if _is_sparse(loss) else "float32"
+
+
+def compiled_plan(
+    model: Any,
+    made: Any,
+    topology_mesh: TopologyMesh,
+    *,
+    batch_size: int,
+    input_shape: Any,
+    sequence_length: int | None,
+    target_shape: Any,
+    kinds: tuple[str, ...],
+    device_memory: int | None,
+) -> CompiledPlan:
+    """Compile `kinds` steps of `model` (made by `abstract_model`) under the
+    distribution `made` on the topology's mesh."""
+    topology = topology_mesh.topology
+    x, y = batch_data(model, batch_size, input_shape, sequence_length, target_shape)
+    if getattr(model, "compiled", False):
+        with abstract_variables():
+            build_for_training(model, (x, y))
+    adapter = get_adapter()
+    undo = None
+    if getattr(made, "remat", None) is not None:
+        undo = rematerialize(
+            model,
+            made.remat,
+            warn=False,
+            recomputes_state=getattr(adapter, "recomputes_layer_state", False),
+        )
+    try:
+        raw = adapter.compile_steps(model, made, (x, y), kinds)
+    finally:
+        if undo is not None:
+            undo()
+    compute_dtype = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
+    memory = device_memory or topology_mesh.memory()
+    kind = accelerators.kind_of(topology_mesh.device_kind)
+    steps = {
+        name: _projected(figures, kind, compute_dtype, topology.num_slices)
+        for name, figures in raw.items()
+    }
+    notes = [
+        "Figures per device. XLA's: peak bytes (arguments + outputs + "
+        "temporaries + code - aliased), flops, bytes accessed and the "
+        "collectives of the compiled program. Projected: step time and MFU, "
+        "from a roofline over the chip's peak FLOP/s and bandwidths "
+        "(keras_dist.common.accelerators): the longest of compute, memory, "
+        "interconnect and network time, a lower bound."
+    ]
+    if kind is None or kind.peak_16 is None:
+        notes.append(
+            f"No step time is projected: keras_dist's table has no peak for "
+            f"{topology_mesh.device_kind!r}."
+        )
+    if memory is None:
+        notes.append(
+            "The devices' memory is unknown: pass device_memory= to know whether "
+            "it fits."
+        )
+    return CompiledPlan(
+        topology.name,
+        topology_mesh.device_kind,
+        len(topology_mesh.devices),
+        topology.num_slices,
+        compute_dtype,
+        steps,
+        memory,
+        notes,
+    )
+
+
+def _projected(
+    figures: dict[str, Any], kind: Any, compute_dtype: str, num_slices: int
+) -> CompiledStep:
+    fields = {
+        name: figures.get(name)
+        for name in CompiledStep.__dataclass_fields__
+        if name in figures and name not in ("collective_counts",)
+    }
+    fields["collective_counts"] = dict(figures.get("collective_groups") or {})
+    step = CompiledStep(**fields)
+    if step.error or kind is None or step.flops is None:
+        return step
+    peak = kind.peak_16 if compute_dtype in ("bfloat16", "float16") else kind.peak_32
+    moved = step.collective_bytes
+    ici = 2 * moved.get("all-reduce", 0) + sum(
+        size for name, size in moved.items() if name != "all-reduce"
+    )
+    seconds: dict[str, float | None] = {
+        "compute": step.flops / peak if peak else None,
+        "memory": (
+            step.bytes_accessed / kind.memory_bandwidth
+            if kind.memory_bandwidth and step.bytes_accessed is not None
+            else None
+        ),
+        "interconnect": (
+            ici / kind.interconnect_bandwidth if kind.interconnect_bandwidth else None
+        )
+        if ici
+        else 0.0,
+        "network": 0.0,
+    }
+    if num_slices > 1:
+        seconds["network"] = (
+            2 * moved.get("all-reduce", 0) / kind.network_bandwidth
+            if kind.network_bandwidth
+            else None
+        )
+    known = [value for value in seconds.values() if value is not None]
+    step_seconds = max(known) if known and seconds["compute"] is not None else None
+    mfu = (
+        seconds["compute"] / step_seconds
+        if step_seconds and seconds["compute"] is not None
+        else None
+    )
+    return CompiledStep(
+        **{
+            **step.__dict__,
+            "seconds": seconds,
+            "step_seconds": step_seconds,
+            "mfu": mfu,
+        }
+    )
+
+
+def plan_on_topology(
+    static_plan: Callable[[Any, Any, int | None, int | None], Plan],
+    model: Any,
+    distribution: Any,
+    topology: Any,
+    num_slices: Any,
+    *,
+    mesh: Any,
+    input_shape: Any,
+    sequence_length: Any,
+    batch_size: Any,
+    device_memory: Any,
+    target_shape: Any,
+    steps: Any,
+) -> Plan:
+    """The static plan (`static_plan(model, distribution, batch_size,
+    memory)`) and the compiled one, on a topology's devices. Every argument
+    is checked, the topology resolved, the model made and its layouts
+    planned before anything compiles."""
+    parsed = check_topology_arguments(topology, num_slices, mesh)
+    if mesh is not None:
+        check_mesh(mesh)
+    kinds = tuple(steps) if isinstance(steps, (tuple, list)) else (steps,)
+    if not kinds or any(kind not in STEP_KINDS for kind in kinds):
+        raise ValueError(
+            f"`steps` must name some of {STEP_KINDS}. Received: steps={steps!r}"
+        )
+    for name, value in (("batch_size", batch_size), ("device_memory", device_memory)):
+        if value is None and name == "device_memory":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"A plan compiled for a topology needs `{name}` as a positive "
+                f"int (batch_size: the global batch). Received: {name}={value!r}"
+            )
+    adapter = get_adapter()
+    if adapter.name != "jax":
+        raise NotImplementedError(
+            f"A plan compiled for a topology needs the JAX backend; on "
+            f"{adapter.name} the plan is the static one: call keras_dist.plan "
+            "without topology= (with mesh= for the shape of the mesh), or run "
+            "with KERAS_BACKEND=jax."
+        )
+    on_topology = TopologyMesh(parsed)
+    made = on_topology.distribution(distribution, mesh)
+    model = abstract_model(model, input_shape)
+    check_trainable(model, kinds)
+    memory = device_memory or on_topology.memory()
+    result = static_plan(model, made, batch_size, memory)
+    result.compiled = compiled_plan(
+        model,
+        made,
+        on_topology,
+        batch_size=batch_size,
+        input_shape=input_shape,
+        sequence_length=sequence_length,
+        target_shape=target_shape,
+        kinds=kinds,
+        device_memory=memory,
+    )
+    result.made_distribution = made
+    return result
+
+
+__all__ = [
+    "STEP_KINDS",
+    "TopologyMesh",
+    "abstract_model",
+    "check_topology_arguments",
+    "check_trainable",
+    "compiled_plan",
+    "plan_on_topology",
+]

@@ -1,0 +1,382 @@
+"""`keras_dist.plan(..., topology=...)`: fit's own steps compiled for a
+topology, on abstract values.
+
+`cpu:8` runs in every JAX run (8 simulated devices). The TPU topologies need
+`libtpu`: `tests/run_tpu_topology.sh` runs this file again in a virtual
+environment that has it; without it those tests are skipped and the error
+that names the missing library is tested instead.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist.planner.topology import parse_topology
+
+BACKEND = keras.backend.backend()
+jax_only = pytest.mark.backend("jax")
+
+
+def _has_libtpu() -> bool:
+    try:
+        importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+needs_libtpu = pytest.mark.skipif(
+    not _has_libtpu(), reason="needs libtpu (tests/run_tpu_topology.sh)"
+)
+
+WIDTH = 512
+
+
+def mlp(width: int = WIDTH, dtype_policy: str | None = None, compile_it: bool = True):
+    def build():
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(width, activation="relu", dtype=dtype_policy),
+                keras.layers.Dropout(0.1),
+                keras.layers.Dense(width, activation="relu", dtype=dtype_policy),
+                keras.layers.Dense(10, dtype=dtype_policy),
+            ],
+            name="mlp",
+        )
+        if compile_it:
+            model.compile(
+                optimizer="adam",
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
+        return model
+
+    return build
+
+
+def _parameters(width: int = WIDTH) -> int:
+    return 64 * width + width + width * width + width + width * 10 + 10
+
+
+# -- names, read before anything runs -------------------------------------------
+@pytest.mark.backend_neutral
+@pytest.mark.parametrize(
+    "name, libtpu_name, chips",
+    [
+        ("v5e:2x2", "v5e:2x2", 4),
+        ("v5e-256", "v5e:16x16", 256),
+        ("v5litepod-16", "v5e:4x4", 16),
+        ("v5p-128", "v5p:4x4x4", 64),
+        ("v5p:4x4x8", "v5p:4x4x8", 128),
+        ("v4-8", "v4:2x2x1", 4),
+        ("v6e-8", "v6e:2x4", 8),
+        ("cpu:8", "", 8),
+    ],
+)
+def test_topology_names(name, libtpu_name, chips):
+    topology = parse_topology(name)
+    assert (topology.libtpu_name, topology.chips) == (libtpu_name, chips)
+
+
+@pytest.mark.backend_neutral
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("v9x:2x2", "Unknown topology 'v9x:2x2'"),
+        ("tpu", "Unknown topology 'tpu'"),
+        ("v5e:2x2x2", "2-D grid"),
+        ("v5p-7", "counts TensorCores"),
+        ("v5e-12", "N in [1, 4, 8"),
+    ],
+)
+def test_unknown_topologies_are_refused_with_what_is_known(name, words):
+    with pytest.raises(ValueError, match="topology") as raised:
+        parse_topology(name)
+    assert words in str(raised.value)
+
+
+@pytest.mark.backend_neutral
+def test_bad_slice_counts_and_types():
+    with pytest.raises(ValueError, match="num_slices` must be at least 1"):
+        parse_topology("v5e:2x2", 0)
+    with pytest.raises(TypeError, match="topology` must be a string"):
+        parse_topology(8)
+    with pytest.raises(ValueError, match="CPU topologies have one slice"):
+        parse_topology("cpu:8", 2)
+
+
+@jax_only
+def test_a_mesh_of_another_size_is_refused_before_compiling():
+    with pytest.raises(ValueError, match=r"mesh \{'batch': 3\} has 3 devices"):
+        kd.plan(mlp(), kd.FSDP, topology="cpu:8", mesh={"batch": 3}, batch_size=8)
+    with pytest.raises(ValueError, match="4 chips"):
+        kd.plan(mlp(), kd.FSDP, topology="v5e:2x2", mesh={"batch": 8}, batch_size=8)
+
+
+@jax_only
+def test_an_uncompiled_model_is_refused_before_compiling():
+    with pytest.raises(ValueError, match=r"needs a compiled model.*model.compile"):
+        kd.plan(mlp(compile_it=False), kd.DataParallel, topology="cpu:8", batch_size=8)
+    # Prediction alone needs no loss.
+    result = kd.plan(
+        mlp(compile_it=False),
+        kd.DataParallel,
+        topology="cpu:8",
+        batch_size=8,
+        steps=("predict",),
+    )
+    assert list(result.compiled.steps) == ["predict"]
+
+
+@jax_only
+def test_a_batch_size_is_needed_and_a_distribution_object_is_refused():
+    with pytest.raises(ValueError, match="needs `batch_size`"):
+        kd.plan(mlp(), kd.FSDP, topology="cpu:8")
+    with pytest.raises(TypeError, match="function of the DeviceMesh"):
+        kd.plan(mlp(), kd.DataParallel(), topology="cpu:8", batch_size=8)
+    with pytest.raises(ValueError, match="`steps` must name some of"):
+        kd.plan(mlp(), kd.FSDP, topology="cpu:8", batch_size=8, steps=("fit",))
+
+
+@jax_only
+@pytest.mark.skipif(_has_libtpu(), reason="libtpu is installed here")
+def test_a_tpu_topology_without_libtpu_names_the_extra():
+    with pytest.raises(RuntimeError, match=r"needs libtpu.*keras-dist\[tpu\]"):
+        kd.plan(mlp(), kd.FSDP, topology="v5e:2x2", batch_size=8)
+
+
+@pytest.mark.backend("torch", "tensorflow")
+def test_other_backends_keep_the_static_plan_and_say_so():
+    with pytest.raises(NotImplementedError, match="needs the JAX backend"):
+        kd.plan(mlp(), kd.FSDP, topology="cpu:2", batch_size=8)
+    result = kd.plan(mlp(), kd.FSDP, mesh={"batch": 2}, batch_size=8)
+    assert result.compiled is None
+    assert any("This plan is the static one" in note for note in result.notes)
+
+
+# -- cpu:N: the plan's program is the real fit's -------------------------------------
+def _fit_step_function(model):
+    """The jitted train step Keras' own `fit` made for `model` (keras_dist
+    keeps the run's compiled functions for the next run)."""
+    function = model.__dict__["_keras_dist_compiled"]["compiled"]["train_function"]
+    for _ in range(4):
+        found = {
+            name: value
+            for name, value in inspect.getclosurevars(function).nonlocals.items()
+            if hasattr(value, "lower")
+        }
+        if found:
+            return next(iter(found.values()))
+        function = next(
+            value
+            for value in inspect.getclosurevars(function).nonlocals.values()
+            if callable(value)
+        )
+    raise AssertionError("no jitted step in model.train_function")
+
+
+@jax_only
+@pytest.mark.parametrize("policy", ["DataParallel", "FSDP"])
+def test_cpu_plan_compiles_the_program_a_real_fit_runs(policy):
+    make = getattr(kd, policy)
+    result = kd.plan(mlp(), make, topology="cpu:8", batch_size=64)
+    compiled = result.compiled
+    train = compiled.steps["train"]
+    assert train.error is None and compiled.devices == 8
+    # The same model trained for real on the same 8 devices.
+    model = mlp()()
+    distribution = result.made_distribution
+    x = np.random.rand(64, 64).astype("float32")
+    y = np.random.randint(0, 10, 64)
+    model.fit(
+        x,
+        y,
+        batch_size=64,
+        epochs=1,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(distribution)],
+    )
+    step = _fit_step_function(model)
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in model.optimizer.variables],
+        [v.value for v in model.metrics_variables],
+    )
+    keras.distribution.set_distribution(distribution)
+    try:
+        layout = distribution.get_data_layout((64, 64)).backend_layout
+        import jax  # noqa: PLC0415
+
+        batch = (
+            jax.device_put(x, layout),
+            jax.device_put(
+                y.astype("int64"), distribution.get_data_layout((64,)).backend_layout
+            ),
+        )
+        real = step.lower(state, batch).compile()
+    finally:
+        keras.distribution.set_distribution(None)
+    memory = real.memory_analysis()
+    assert train.argument_bytes == memory.argument_size_in_bytes
+    assert train.temp_bytes == memory.temp_size_in_bytes
+    assert train.flops == pytest.approx(real.cost_analysis()["flops"], rel=1e-6)
+    # Replicated weights, Adam's two moments: 3 copies of the parameters
+    # per device; FSDP splits them 8 ways.
+    whole = 3 * 4 * _parameters()
+    expected = whole if policy == "DataParallel" else whole / 8
+    assert train.argument_bytes == pytest.approx(expected, rel=0.05)
+    gathered = train.collective_bytes["all-gather"]
+    reduced = (
+        train.collective_bytes["all-reduce"] + train.collective_bytes["reduce-scatter"]
+    )
+    assert reduced > 0
+    if policy == "DataParallel":
+        assert gathered == 0
+        # The gradients are summed: at least the parameters' bytes.
+        assert reduced >= 4 * _parameters()
+
+
+@jax_only
+def test_every_step_is_compiled_and_the_plan_prints_whose_figures_they_are():
+    result = kd.plan(mlp(), kd.FSDP, topology="cpu:8", batch_size=64)
+    assert set(result.compiled.steps) == {"train", "test", "predict"}
+    for step in result.compiled.steps.values():
+        assert step.peak_bytes and step.flops > 0
+    train, test = result.compiled.steps["train"], result.compiled.steps["test"]
+    assert train.flops > 2 * test.flops  # the backward pass
+    text = str(result)
+    assert "Compiled for cpu:8" in text and "XLA's" in text
+    assert result.fits is None  # a CPU's memory is unknown
+    sized = kd.plan(
+        mlp(), kd.FSDP, topology="cpu:8", batch_size=64, device_memory=2**16
+    )
+    assert sized.fits is False and sized.compiled.margin_bytes < 0
+    assert "Does not fit" in str(sized)
+    assert result.to_dict()["compiled"]["steps"]["train"]["flops"] == train.flops
+
+
+# -- TPU topologies (libtpu) ------------------------------------------------------
+@jax_only
+@needs_libtpu
+def test_tpu_topology_plan_reads_xla_memory_flops_and_collectives():
+    batch = 256
+    plain = kd.plan(mlp(), kd.DataParallel, topology="v5e:2x2", batch_size=batch)
+    split = kd.plan(mlp(), kd.FSDP, topology="v5e:2x2", batch_size=batch)
+    for result in (plain, split):
+        assert result.compiled.device_kind == "TPU v5 lite"
+        assert result.compiled.devices == 4
+        assert result.fits is True and result.compiled.memory == 16 * 2**30
+    weights_and_moments = 3 * 4 * _parameters()
+    plain_train = plain.compiled.steps["train"]
+    split_train = split.compiled.steps["train"]
+    assert plain_train.argument_bytes == pytest.approx(weights_and_moments, rel=0.05)
+    assert split_train.argument_bytes == pytest.approx(
+        weights_and_moments / 4,
+        rel=0.1,  # biases replicated, tiles padded
+    )
+    # 6 flops per parameter and sample (forward 2, backward 4), a quarter of
+    # the batch on each device.
+    assert plain_train.flops == pytest.approx(6 * _parameters() * batch / 4, rel=0.1)
+    assert plain_train.collective_bytes["all-reduce"] >= 4 * _parameters()
+    assert plain_train.step_seconds > 0 and 0 < plain_train.mfu <= 1
+    assert set(plain_train.seconds) == {"compute", "memory", "interconnect", "network"}
+
+
+@jax_only
+@needs_libtpu
+def test_tpu_plan_of_a_model_too_large_does_not_fit_with_the_margin_said():
+    result = kd.plan(
+        mlp(width=40960), kd.DataParallel, topology="v5e:2x2", batch_size=64
+    )
+    assert result.fits is False
+    assert result.compiled.margin_bytes < 0 or any(
+        step.error for step in result.compiled.steps.values()
+    )
+    assert "Does not fit" in str(result)
+
+
+@jax_only
+@needs_libtpu
+def test_multi_slice_topology_splits_the_batch_axis_across_slices():
+    result = kd.plan(
+        mlp(),
+        kd.DataParallel,
+        topology="v5e:2x2",
+        num_slices=2,
+        batch_size=64,
+        steps=("train",),
+    )
+    compiled = result.compiled
+    assert compiled.devices == 8 and compiled.num_slices == 2
+    assert compiled.steps["train"].seconds["network"] > 0
+
+
+@jax_only
+def test_cli_compiles_for_a_topology_and_says_when_it_does_not_fit():
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import pathlib  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    environment = {**os.environ, "KERAS_DIST_CPU_DEVICES": "8", "KERAS_BACKEND": "jax"}
+    command = [
+        sys.executable,
+        "-m",
+        "keras_dist",
+        "plan",
+        "tests.workers.plan_models:compiled_mlp",
+        "--topology",
+        "cpu:8",
+        "--mesh",
+        "4,2",
+        "--axes",
+        "batch,model",
+        "--fsdp",
+        "--batch-size",
+        "32",
+        "--steps",
+        "train",
+        "--json",
+    ]
+    fits = subprocess.run(
+        command + ["--device-memory", "1GB"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=environment,
+    )
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    report = json.loads(fits.stdout.strip().splitlines()[-1])
+    assert report["fits"] is True
+    train = report["compiled"]["steps"]["train"]
+    assert train["peak_bytes"] > 0 and report["compiled"]["devices"] == 8
+    short = subprocess.run(
+        command + ["--device-memory", "10KB"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=environment,
+    )
+    assert short.returncode == 1
+    assert json.loads(short.stdout.strip().splitlines()[-1])["fits"] is False
+    unknown = subprocess.run(
+        command[:5] + ["--topology", "v9:2x2", "--batch-size", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=environment,
+    )
+    assert unknown.returncode == 1 and "Unknown topology 'v9:2x2'" in unknown.stderr
