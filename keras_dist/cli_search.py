@@ -44,6 +44,7 @@ def add_search_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--processes",
         type=int,
+        default=1,
         metavar="N",
         help="with --search: candidates compiled at once, in worker processes",
     )

@@ -194,8 +194,7 @@ def test_the_cache_is_hit_on_the_second_call(tmp_path, monkeypatch):
         raise AssertionError("compiled again")
 
     monkeypatch.setattr(type(get_adapter()), "compile_steps", refuse)
-    # The same model made again (its layers get new automatic names: the
-    # fingerprint leaves those out), with another memory.
+    # The same model made again, with another memory.
     again = kd.plan_search(
         tiny,
         topology="cpu:8",
@@ -215,6 +214,29 @@ def test_the_cache_is_hit_on_the_second_call(tmp_path, monkeypatch):
         tiny, topology="cpu:8", batch_size=32, cache_dir=tmp_path, candidates=[FSDP]
     )
     assert other[0].status == "failed" and "compiled again" in other[0].error
+
+
+def unnamed():
+    """A model whose layers Keras names (`dense_3`...): each one made gets
+    new names."""
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@jax_only
+def test_the_cache_key_leaves_out_automatic_names(tmp_path, monkeypatch):
+    # cache_dir=True: $XDG_CACHE_HOME/keras_dist/plans.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = kd.plan_search(
+        unnamed, topology="cpu:8", batch_size=8, cache_dir=True, candidates=[FSDP]
+    )
+    assert first[0].status == "compiled"
+    assert len(list((tmp_path / "keras_dist" / "plans").glob("*.json"))) == 1
+    again = kd.plan_search(
+        unnamed, topology="cpu:8", batch_size=8, cache_dir=True, candidates=[FSDP]
+    )
+    assert again[0].status == "cached"
 
 
 @jax_only
@@ -426,6 +448,18 @@ def test_a_keras_hub_model_gets_its_own_layout_map_and_blocks_recomputed():
     assert type(layout_map).__name__ == "PresetLayoutMap" and layout_map.replicated
     # for_keras_hub's repair of the one key/value head, kept on the result.
     assert any("cannot be used" in said for said in result.warnings)
+
+
+@pytest.mark.backend_neutral
+def test_a_candidate_keeps_its_warnings_once_without_deprecations():
+    from keras_dist.planner import search  # noqa: PLC0415
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("a library's own", DeprecationWarning, stacklevel=1)
+        for _ in range(2):
+            warnings.warn("replicated: 1 head", UserWarning, stacklevel=1)
+    assert search._said(caught) == ["UserWarning: replicated: 1 head"]
 
 
 # -- worker processes ---------------------------------------------------------------

@@ -175,8 +175,12 @@ def _refused(compiled: CompiledPlan | None) -> str | None:
 
 
 def _said(caught: list[Any]) -> list[str]:
+    """What a candidate warned, each once; deprecations (of the libraries
+    under it, not of the candidate) left out."""
     said: list[str] = []
     for item in caught:
+        if issubclass(item.category, (DeprecationWarning, PendingDeprecationWarning)):
+            continue
         text = f"{item.category.__name__}: {item.message}"
         if text not in said:
             said.append(text)
@@ -398,7 +402,7 @@ def plan_search(
     sequence_length: int | None = None,
     input_shape: Any = None,
     time_budget: float | None = None,
-    processes: int | None = None,
+    processes: int = 1,
     cache_dir: Any = None,
     candidates: Any = None,
     device_memory: int | None = None,
@@ -430,9 +434,13 @@ def plan_search(
         time_budget: seconds; no candidate starts once they are spent (the
             first always does, and one started runs to its end). None: no
             limit.
-        processes: worker processes compiling at once ("spawn" context, JAX).
-            None: one per two CPU cores, at most 4, and 1 (this process) for
-            a model object or a function that cannot be pickled.
+        processes: candidates compiled at once. 1: one after the other, in
+            this process. More: in worker processes ("spawn" context, JAX
+            backend), each making the model from its function: worth it for
+            large models, given the cores and the memory (on one CPU core a
+            2B-parameter model's compile for 256 chips took 3 to 5 minutes
+            and 6 GB; a 7B's for 64 chips up to 16 GB). A model object, or a
+            function that cannot be pickled, compiles in this process.
         cache_dir: a directory where each compiled candidate is kept as JSON,
             keyed by a fingerprint of the model, its compile configuration,
             the candidate, the job and the versions; a hit is not compiled
@@ -460,7 +468,7 @@ def plan_search(
     parsed = check_topology_arguments(topology, num_slices, None)
     _check_number("batch_size", batch_size, integer=True, optional=False)
     _check_number("time_budget", time_budget, integer=False, optional=True)
-    _check_number("processes", processes, integer=True, optional=True)
+    _check_number("processes", processes, integer=True, optional=False)
     _check_number("device_memory", device_memory, integer=True, optional=True)
     kinds = tuple(steps) if isinstance(steps, (tuple, list)) else (steps,)
     if not kinds or any(kind not in STEP_KINDS for kind in kinds):
@@ -563,16 +571,13 @@ def plan_search(
 
 
 def _executor(
-    model: Any, processes: int | None, count: int, search: _Search
+    model: Any, processes: int, count: int, search: _Search
 ) -> tuple[int, Any]:
     """How many candidates compile at once, and where."""
     wanted = processes
-    if wanted is None:
-        wanted = min(4, max(1, (os.cpu_count() or 1) // 2))
-    why_not = _picklable(model)
-    if wanted > 1 and why_not is not None:
-        if processes is not None:
-            search.notes.append(f"processes={processes} not used: {why_not}.")
+    why_not = _picklable(model) if wanted > 1 else None
+    if why_not is not None:
+        search.notes.append(f"processes={processes} not used: {why_not}.")
         wanted = 1
     workers = max(1, min(wanted, count))
     if workers == 1:

@@ -10,6 +10,7 @@ from typing import Any
 
 from keras_dist.planner.candidates import Candidate
 from keras_dist.planner.result import CompiledPlan, Plan, Problem
+from keras_dist.planner.search_cache import compiled_to_dict
 
 _COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 #: How a candidate came out: compiled now, read from the cache, found too
@@ -112,8 +113,6 @@ class SearchResult:
         return self._distribution
 
     def to_dict(self) -> dict[str, Any]:
-        from keras_dist.planner.search_cache import compiled_to_dict  # noqa: PLC0415
-
         return {
             "rank": self.rank,
             "candidate": self.candidate.to_dict(),
