@@ -51,6 +51,7 @@ _PUBLIC = {
     "FSDP": "keras_dist.distribution.policies",
     "LayoutMap": "keras_dist.distribution.layout_map",
     "ModelParallel": "keras_dist.distribution.policies",
+    "OutOfDeviceMemoryError": "keras_dist.training.out_of_memory",
     "Plan": "keras_dist.planner",
     "Problem": "keras_dist.planner",
     "TensorLayout": "keras_dist.distribution.mesh",
@@ -81,6 +82,7 @@ __all__ = [
     "FSDP",
     "LayoutMap",
     "ModelParallel",
+    "OutOfDeviceMemoryError",
     "Plan",
     "Problem",
     "TensorLayout",
@@ -200,3 +202,4 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the API docs
     )
     from keras_dist.schedules import scale_learning_rate
     from keras_dist.trainer import Trainer
+    from keras_dist.training.out_of_memory import OutOfDeviceMemoryError

@@ -284,7 +284,8 @@ def test_tpu_topology_plan_reads_xla_memory_flops_and_collectives():
     )
     # 6 flops per parameter and sample (forward 2, backward 4), a quarter of
     # the batch on each device.
-    assert plain_train.flops == pytest.approx(6 * _parameters() * batch / 4, rel=0.1)
+    # (On a TPU, Dropout's random bits add their own flops.)
+    assert plain_train.flops == pytest.approx(6 * _parameters() * batch / 4, rel=0.15)
     assert plain_train.collective_bytes["all-reduce"] >= 4 * _parameters()
     assert plain_train.step_seconds > 0 and 0 < plain_train.mfu <= 1
     assert set(plain_train.seconds) == {"compute", "memory", "interconnect", "network"}
@@ -380,3 +381,42 @@ def test_cli_compiles_for_a_topology_and_says_when_it_does_not_fit():
         env=environment,
     )
     assert unknown.returncode == 1 and "Unknown topology 'v9:2x2'" in unknown.stderr
+
+
+@jax_only
+@needs_libtpu
+def test_keras_traces_the_step_as_on_the_topologys_platform():
+    """Keras picks some ops by the default device's platform (the TPU
+    splash-attention kernel): a plan for a TPU slice traced on a CPU host
+    must see the TPU, and only while it traces."""
+    import jax  # noqa: PLC0415
+
+    from keras_dist.backends.jax import keras_internals  # noqa: PLC0415
+    from keras_dist.backends.jax.compiled_plan import topology_devices  # noqa: PLC0415
+
+    devices = topology_devices("tpu", "v5e:2x2", 4, 1)
+    with keras_internals.platform_seen_by_keras(devices):
+        assert jax.devices()[0].platform == "tpu"
+        assert jax.default_backend() == "tpu"
+        assert jax.devices("cpu")[0].platform == "cpu"
+    assert jax.devices()[0].platform == "cpu" and jax.default_backend() == "cpu"
+
+    def attention():
+        tokens = keras.Input((128, 64))
+        attended = keras.layers.MultiHeadAttention(4, 16)(tokens, tokens)
+        model = keras.Model(tokens, keras.layers.Dense(10)(attended))
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    # One chip: Keras' splash-attention kernel, as on the chip itself.
+    one = kd.plan(attention, kd.DataParallel, topology="v5e:1x1", batch_size=8)
+    assert one.compiled.steps["train"].error is None and one.fits is True
+    # Four chips: Keras 3.15 calls the kernel without a shard_map, which XLA
+    # cannot partition; the plan says so in XLA's words instead of crashing.
+    four = kd.plan(attention, kd.DataParallel, topology="v5e:2x2", batch_size=8)
+    error = four.compiled.steps["train"].error
+    assert (
+        error is None or "Mosaic kernels cannot be automatically partitioned" in error
+    )
+    if error:
+        assert four.fits is not True and "XLA refused the train step" in str(four)

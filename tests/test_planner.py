@@ -283,8 +283,11 @@ def test_bad_arguments_are_named():
         model.compile(optimizer="adam")
         return model
 
-    with pytest.raises(ValueError, match="optimizer="):
-        plan(compiled, distribution)
+    # A model function may compile its model: its optimizer's slots count.
+    result = plan(compiled, distribution)
+    trainable = sum(r.total_bytes for r in result.rows if r.role == "trainable")
+    slots = sum(r.total_bytes for r in result.rows if r.role == "optimizer")
+    assert slots >= 2 * trainable
 
 
 @pytest.mark.backend("jax")

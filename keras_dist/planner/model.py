@@ -10,6 +10,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_dist.keras_compat.abstract_models import abstract_variables
 from keras_dist.keras_compat.layers import layers_of
 from keras_dist.keras_compat.variables import shapes_only_variables
 
@@ -43,12 +44,14 @@ class UnbuiltModelError(ValueError):
 
 def made_model(model: Any, input_shape: Any) -> Any:
     """`model`, or what the function `model` returns, built: a function's
-    model is made and built inside a shapes-only scope (nothing allocated); a
+    model is made (and compiled, if the function compiles it) and built with
+    no variable allocated but those made from a value (`abstract_variables`:
+    an optimizer's learning rate, say); a
     model object that is not built is built as a call on a batch would build
     it, its variables getting values. Raises when there is nothing to build it
     from."""
     if not isinstance(model, keras.layers.Layer) and callable(model):
-        with shapes_only_variables():
+        with abstract_variables():
             made = _call(model)
             _check_is_model(made)
             return _built(made, input_shape)
@@ -57,17 +60,7 @@ def made_model(model: Any, input_shape: Any) -> Any:
 
 
 def _call(function: Any) -> Any:
-    try:
-        return function()
-    except ValueError as error:
-        if "stateless scope" not in str(error):
-            raise
-        raise ValueError(
-            "The model function made a variable with a value, which "
-            "keras.StatelessScope refuses: it may build the model (layers' own "
-            "weights) but not compile it; pass the optimizer as "
-            f"`plan(..., optimizer=...)` instead. Received: model={function!r}"
-        ) from error
+    return function()
 
 
 def _check_is_model(model: Any) -> None:

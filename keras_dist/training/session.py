@@ -19,7 +19,7 @@ from keras_dist.keras_compat.callbacks import silence_callbacks
 from keras_dist.keras_compat.distribution import KerasDistribution
 from keras_dist.keras_compat.layers import layers_of
 from keras_dist.runtime.join_check import require_joined
-from keras_dist.training import saving
+from keras_dist.training import out_of_memory, saving
 
 _active_runs: dict[int, DistributedRun] = {}
 
@@ -216,6 +216,18 @@ def _runs_end_with_their_call(
         _calls_in_progress.append(token)
         try:
             yield
+        except Exception as error:
+            # The run, or the DistributeCallback of a call whose run had not
+            # started yet (Keras builds the optimizer's slots before it).
+            run = _active_runs.get(id(model))
+            distribution = run.distribution if run else _distribution_in(callbacks)
+            if distribution is None or not out_of_memory.is_out_of_memory(error):
+                raise
+            # The engine's words name buffers; the plan names the model's.
+            raise out_of_memory.OutOfDeviceMemoryError(
+                out_of_memory.explain(model, distribution, name)
+                + f"\n\nThe engine said: {str(error)[:2000]}"
+            ) from error
         finally:
             _calls_in_progress.remove(token)
             run = _active_runs.get(id(model))

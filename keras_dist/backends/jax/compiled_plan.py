@@ -147,6 +147,11 @@ def topology_devices(platform: str, name: str, count: int, num_slices: int) -> l
         raise RuntimeError(problem[0].upper() + problem[1:] + ".")
     # libtpu asks a cloud metadata server about the host otherwise.
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # A compile-only client holds no chip: several processes may describe
+    # topologies at once (plan_search's workers, two plans side by side)
+    # instead of the second failing on libtpu's one-process lock file. Where
+    # a chip is attached, JAX has opened it before this runs.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies  # noqa: PLC0415
 
     options: dict[str, Any] = {"num_slices": num_slices} if num_slices > 1 else {}
@@ -282,8 +287,11 @@ def compile_step(model: Any, kind: str, state: tuple, batch: Any) -> CompiledSte
     (out of memory, say) comes back with `error` set."""
     started = time.perf_counter()
     step = internals.keras_step_function(model, kind, _sharding_tree(state))
+    devices = list(jax.tree_util.tree_leaves(batch)[0].sharding.mesh.devices.flat)
     try:
-        compiled = step.lower(_state_for(kind, state), batch).compile()
+        with internals.platform_seen_by_keras(devices):
+            lowered = step.lower(_state_for(kind, state), batch)
+        compiled = lowered.compile()
     except Exception as error:  # XLA's runtime error types
         return CompiledStep(kind, time.perf_counter() - started, error=str(error))
     seconds = time.perf_counter() - started

@@ -2,15 +2,18 @@
 
 `tests/test_keras_internals.py` imports `check()` and fails loudly when a Keras
 release moves any of these, so a breakage shows up as one clear test failure.
-Nothing here imports jax: the arithmetic goes through `keras.ops`.
+The arithmetic goes through `keras.ops`; jax itself is touched only where
+Keras reads it (`platform_seen_by_keras`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import keras
 import numpy as np
 from keras import ops
@@ -445,6 +448,30 @@ def _masked_steps(
 _STEP_KINDS = ("train", "test", "predict")
 
 
+@contextlib.contextmanager
+def platform_seen_by_keras(devices: list[Any]) -> Iterator[None]:
+    """Keras' JAX code as it runs on `devices`' platform while a step is
+    traced for them on another host: Keras chooses some ops by the default
+    device's platform (`jax.devices()[0].platform`, `jax.default_backend()`:
+    the TPU splash-attention kernel, the CPU-only paths), so a step traced on
+    a CPU host for a TPU slice would otherwise be the CPU's program. Only the
+    calls without arguments answer for `devices`."""
+    platform = devices[0].platform
+    original_devices, original_backend = jax.devices, jax.default_backend
+
+    def seen_devices(backend: Any = None) -> Any:
+        return list(devices) if backend is None else original_devices(backend)
+
+    def seen_backend() -> str:
+        return platform
+
+    jax.devices, jax.default_backend = seen_devices, seen_backend
+    try:
+        yield
+    finally:
+        jax.devices, jax.default_backend = original_devices, original_backend
+
+
 def keras_step_function(model: Any, kind: str, state_shardings: tuple) -> Any:
     """The jitted step Keras' `make_{kind}_function` builds for `model` (the
     one `fit`, `evaluate` or `predict` runs, with Keras' own donation and
@@ -484,6 +511,7 @@ __all__ = [
     "check",
     "install_steps",
     "keras_step_function",
+    "platform_seen_by_keras",
     "place_tensors_through",
     "read_variables_through",
     "relayout_variable",
