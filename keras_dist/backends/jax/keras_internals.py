@@ -56,6 +56,9 @@ def check() -> list[str]:
     missing = []
     if not hasattr(JAXEpochIterator, "_get_iterator"):
         missing.append("JAXEpochIterator._get_iterator")
+    if not callable(getattr(keras_backends.trainer_module("jax"), "jit", None)):
+        # `keras_step_function` records the step Keras jits through it.
+        missing.append("keras.src.backend.jax.trainer.jit")
     for name in (
         "compute_loss_and_updates",
         "make_train_function",
@@ -65,7 +68,6 @@ def check() -> list[str]:
         "test_step",
         "predict_step",
         "_get_state_sharding_spec",
-        "_make_function",
     ):
         if not hasattr(JAXTrainer, name):
             missing.append(f"JAXTrainer.{name}")
@@ -478,26 +480,38 @@ def keras_step_function(model: Any, kind: str, state_shardings: tuple) -> Any:
     output shardings), for a state laid out as `state_shardings` (the four
     lists `_get_state_sharding_spec` returns: trainable, non-trainable,
     optimizer and metrics variables). The model's variables need no value:
-    the shardings are given, not read from them. The model keeps the step
-    functions it had."""
+    the shardings are given, not read from them. The first function Keras
+    jits there is the step (Keras 3.15 jits it in `make_*_function`, 3.16 in
+    `_make_function`, before the scan over `steps_per_execution` steps); the
+    model keeps the step functions it had."""
     if kind not in _STEP_KINDS:
         raise ValueError(f"`kind` must be one of {_STEP_KINDS}. Received: {kind!r}")
-    names = (f"{kind}_function", "_get_state_sharding_spec", "_make_function")
+    names = (f"{kind}_function", "_get_state_sharding_spec")
     saved = {name: model.__dict__[name] for name in names if name in model.__dict__}
+    module = keras_backends.trainer_module("jax")
+    original_jit = module.jit
     captured: list[Any] = []
 
-    def make_function(step: Any, concatenate_outputs: bool = False) -> Any:
-        captured.append(step)
-        return step
+    def recording_jit(function: Any, *args: Any, **kwargs: Any) -> Any:
+        jitted = original_jit(function, *args, **kwargs)
+        captured.append(jitted)
+        return jitted
 
     model._get_state_sharding_spec = lambda: state_shardings
-    model._make_function = make_function
+    module.jit = recording_jit
     try:
         getattr(model, f"make_{kind}_function")(force=True)
     finally:
+        module.jit = original_jit
         for name in names:
             model.__dict__.pop(name, None)
         model.__dict__.update(saved)
+    if not captured:
+        raise ValueError(
+            f"Keras made model {model.name!r}'s {kind} function without jit "
+            "(run_eagerly=True or jit_compile=False): there is no compiled step "
+            "to plan. Compile the model with jit_compile=True."
+        )
     return captured[0]
 
 
