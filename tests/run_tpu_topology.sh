@@ -19,5 +19,6 @@ echo "import site; site.addsitedir('$(cd "$(site_of "$base")" && pwd)')" \
 pin=$("$base/bin/python" -c 'import importlib.metadata as m; print(next(r.split(";")[0].strip() for r in m.requires("jax") if r.startswith("libtpu") and "tpu" in r.split(";")[1]))')
 "$venv/bin/pip" install -q --no-deps "$pin"
 export TPU_SKIP_MDS_QUERY=1 TF_CPP_MIN_LOG_LEVEL=2
+# The tests that need libtpu (the rest of these files ran in the JAX run).
 KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-  "$@" tests/test_compiled_plan.py tests/test_plan_search.py
+  -k "tpu or slice or platform" "$@" tests/test_compiled_plan.py tests/test_plan_search.py
