@@ -420,3 +420,21 @@ def test_keras_traces_the_step_as_on_the_topologys_platform():
     )
     if error:
         assert four.fits is not True and "XLA refused the train step" in str(four)
+
+
+@jax_only
+def test_a_libtpu_of_another_version_is_named_with_the_pin(monkeypatch):
+    from keras_dist.backends.jax import compiled_plan  # noqa: PLC0415
+
+    real = importlib.metadata.version
+
+    def version(name):
+        return "0.0.1" if name == "libtpu" else real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    problem = compiled_plan.libtpu_problem()
+    assert problem is not None
+    assert "libtpu 0.0.1 is installed, but jax" in problem
+    assert "keras-dist[tpu]" in problem
+    with pytest.raises(RuntimeError, match="(?i)libtpu 0.0.1 is installed"):
+        kd.plan(mlp(), kd.FSDP, topology="v5e:2x2", batch_size=8)
