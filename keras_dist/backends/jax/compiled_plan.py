@@ -115,7 +115,7 @@ def libtpu_problem() -> str | None:
         found = importlib.metadata.version("libtpu")
     except importlib.metadata.PackageNotFoundError:
         return (
-            f"compiling for a TPU topology needs libtpu ({pin}, the version jax "
+            f"Compiling for a TPU topology needs libtpu ({pin}, the version jax "
             f"{jax.__version__} pairs with), which is not installed: {install}"
         )
     if wanted and "==" in pin:
@@ -144,7 +144,7 @@ def topology_devices(platform: str, name: str, count: int, num_slices: int) -> l
         return list(devices[:count])
     problem = libtpu_problem()
     if problem is not None:
-        raise RuntimeError(problem[0].upper() + problem[1:] + ".")
+        raise RuntimeError(problem + ".")
     # libtpu asks a cloud metadata server about the host otherwise.
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     # A compile-only client holds no chip: several processes may describe
