@@ -21,6 +21,7 @@ Roofline, per device and step (figures from `common.accelerators`):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -288,13 +289,7 @@ def compiled_plan(
 def _projected(
     figures: dict[str, Any], kind: Any, compute_dtype: str, num_slices: int
 ) -> CompiledStep:
-    fields = {
-        name: figures.get(name)
-        for name in CompiledStep.__dataclass_fields__
-        if name in figures and name not in ("collective_counts",)
-    }
-    fields["collective_counts"] = dict(figures.get("collective_groups") or {})
-    step = CompiledStep(**fields)
+    step = CompiledStep(**figures)
     if step.error or kind is None or step.flops is None:
         return step
     peak = kind.peak_16 if compute_dtype in ("bfloat16", "float16") else kind.peak_32
@@ -329,13 +324,8 @@ def _projected(
         if step_seconds and seconds["compute"] is not None
         else None
     )
-    return CompiledStep(
-        **{
-            **step.__dict__,
-            "seconds": seconds,
-            "step_seconds": step_seconds,
-            "mfu": mfu,
-        }
+    return dataclasses.replace(
+        step, seconds=seconds, step_seconds=step_seconds, mfu=mfu
     )
 
 

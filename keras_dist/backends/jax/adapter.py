@@ -419,8 +419,7 @@ class JaxAdapter(BackendAdapter):
                 batch = compiled_plan.batch_structs(
                     distribution, data[:1] if kind == "predict" else data
                 )
-                step = compiled_plan.compile_step(model, kind, state, batch)
-                steps[kind] = {**step.__dict__, "peak_bytes": step.peak_bytes}
+                steps[kind] = compiled_plan.compile_step(model, kind, state, batch)
             return steps
         finally:
             self._undo_activation(model)

@@ -19,7 +19,6 @@ import importlib.metadata
 import os
 import re
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -63,41 +62,6 @@ _INSTRUCTION = re.compile(
 _CHANNEL = re.compile(r"channel_id=(\d+)")
 # The chips of one TPU host along each axis of a slice, as libtpu assumes.
 _HOST_CHIPS = (2, 2, 1)
-
-
-@dataclass
-class CompiledStep:
-    """What XLA says of one compiled step, per device.
-
-    `error` is XLA's words when it refused to compile the step (out of
-    memory, say); the figures are then None.
-    """
-
-    kind: str
-    compile_seconds: float
-    argument_bytes: int | None = None
-    output_bytes: int | None = None
-    temp_bytes: int | None = None
-    code_bytes: int | None = None
-    alias_bytes: int | None = None
-    flops: float | None = None
-    bytes_accessed: float | None = None
-    collective_bytes: dict[str, int] = field(default_factory=dict)
-    collective_groups: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
-
-    @property
-    def peak_bytes(self) -> int | None:
-        parts = (self.argument_bytes, self.output_bytes, self.temp_bytes)
-        if any(part is None for part in parts):
-            return None
-        return (
-            self.argument_bytes
-            + self.output_bytes
-            + self.temp_bytes
-            + (self.code_bytes or 0)
-            - (self.alias_bytes or 0)
-        )
 
 
 # -- devices -------------------------------------------------------------------
@@ -281,10 +245,11 @@ def _sharding_tree(state: tuple) -> tuple:
     return tuple([leaf.sharding for leaf in part] for part in state)
 
 
-def compile_step(model: Any, kind: str, state: tuple, batch: Any) -> CompiledStep:
+def compile_step(model: Any, kind: str, state: tuple, batch: Any) -> dict[str, Any]:
     """Lower and compile Keras' jitted `kind` step of `model` on `state` and
-    `batch` (abstract), and read what XLA says of it. A step XLA refuses
-    (out of memory, say) comes back with `error` set."""
+    `batch` (abstract), and say what XLA says of it, per device, as the
+    fields of `keras_dist.planner.CompiledStep`: a step XLA refuses (out of
+    memory, say) comes back with its words as `error`."""
     started = time.perf_counter()
     step = internals.keras_step_function(model, kind, _sharding_tree(state))
     devices = list(jax.tree_util.tree_leaves(batch)[0].sharding.mesh.devices.flat)
@@ -293,27 +258,40 @@ def compile_step(model: Any, kind: str, state: tuple, batch: Any) -> CompiledSte
             lowered = step.lower(_state_for(kind, state), batch)
         compiled = lowered.compile()
     except Exception as error:  # XLA's runtime error types
-        return CompiledStep(kind, time.perf_counter() - started, error=str(error))
+        return {
+            "kind": kind,
+            "compile_seconds": time.perf_counter() - started,
+            "error": str(error),
+        }
     seconds = time.perf_counter() - started
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
     cost = cost or {}
-    moved, groups = collectives(compiled.as_text())
-    return CompiledStep(
-        kind,
-        seconds,
-        argument_bytes=int(memory.argument_size_in_bytes),
-        output_bytes=int(memory.output_size_in_bytes),
-        temp_bytes=int(memory.temp_size_in_bytes),
-        code_bytes=int(memory.generated_code_size_in_bytes),
-        alias_bytes=int(memory.alias_size_in_bytes),
-        flops=float(cost.get("flops", 0.0)),
-        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-        collective_bytes=moved,
-        collective_groups=groups,
-    )
+    moved, counts = collectives(compiled.as_text())
+    return {
+        "kind": kind,
+        "compile_seconds": seconds,
+        # Arguments + outputs + temporaries + code, less what the outputs
+        # alias (the donated state).
+        "peak_bytes": int(
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes
+            + memory.generated_code_size_in_bytes
+            - memory.alias_size_in_bytes
+        ),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "output_bytes": int(memory.output_size_in_bytes),
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "code_bytes": int(memory.generated_code_size_in_bytes),
+        "alias_bytes": int(memory.alias_size_in_bytes),
+        "flops": float(cost.get("flops", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "collective_bytes": moved,
+        "collective_counts": counts,
+    }
 
 
 def _array_bytes(type_text: str) -> list[int]:
