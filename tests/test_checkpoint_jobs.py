@@ -321,7 +321,10 @@ def test_a_damaged_newest_checkpoint_is_named_and_both_ranks_resume_before_it(
     assert "1 damaged checkpoint(s) skipped, resuming from step 16 instead" in logs[0]
     assert str(damaged) in logs[0], logs[0][-3000:]
     assert f"resuming from {directory / 'step-000000016'}" in logs[0]
-    assert "damaged" not in logs[1], logs[1][-3000:]  # process 0 reports
+    # Process 0 reports. (Rank 1's log may hold the engine's own record of
+    # the failed read, whose path names this test's directory: only
+    # keras_dist's report is looked for.)
+    assert "damaged checkpoint(s) skipped" not in logs[1], logs[1][-3000:]
     for result in results:
         _assert_close(_weights(result), uninterrupted["weights"], atol=1e-6)
     assert store.complete_steps(str(directory))[-1] == 18
