@@ -372,6 +372,38 @@ def test_an_input_without_batch_sizes_is_said_and_its_last_step_left_out(clock, 
     ) in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "mfu, printed",
+    # A small MFU used to print as "MFU 0.0%" (and 0.52 % as "MFU 0.5%").
+    [(0.00043, "MFU 0.043%"), (0.0052, "MFU 0.52%"), (0.423, "MFU 42.3%")],
+)
+def test_a_small_mfu_is_printed_with_two_significant_figures(
+    clock, capsys, mfu, printed
+):
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 3, size=64)
+    distribution = kd.DataParallel()
+    devices = distribution.device_mesh.devices.size
+    peak = 1e12
+    # 16 rows every 10 ms: 1600 samples/s, so FLOP/s per device = this x 1600
+    # / devices, a fraction `mfu` of the peak.
+    per_sample = mfu * peak * devices / 1600
+    history = _mlp().fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            kd.DistributeCallback(distribution),
+            _StepTimes(clock, lambda epoch, batch: 0.010),
+            Throughput(16, flops_per_sample=per_sample, peak_flops_per_device=peak),
+        ],
+    )
+    assert history.history["mfu"] == pytest.approx([mfu], rel=1e-9)
+    assert f"TFLOP/s per device, {printed} |" in capsys.readouterr().out
+
+
 @pytest.mark.backend("jax")
 def test_batch_plans_of_keras_adapters():
     import tensorflow as tf  # noqa: PLC0415

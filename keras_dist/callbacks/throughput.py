@@ -406,7 +406,7 @@ class Throughput(keras.callbacks.Callback):
                 f"({values['data_wait_fraction']:.1%}), "
             )
         parts.append(step + f"compute {values['compute_time'] * 1e3:.2f} ms")
-        mfu = f"MFU {values['mfu']:.1%}" if "mfu" in values else "MFU n/a"
+        mfu = f"MFU {_percent(values['mfu'])}" if "mfu" in values else "MFU n/a"
         if "mfu" not in values:
             mfu += f" ({self._device_kind})"
         parts.append(f"{values['tflops_per_device']:.3g} TFLOP/s per device, {mfu}")
@@ -458,3 +458,16 @@ def _check_number(name: str, value: Any) -> None:
             f"`{name}` must be a positive, finite number of FLOPs or None. "
             f"Received: {name}={value!r}"
         )
+
+
+def _percent(fraction: float) -> str:
+    """`fraction` as a percentage: one decimal from 1 % up (`"42.3%"`), two
+    significant figures below (`"0.043%"`), so that a small MFU (a tiny model,
+    a CPU-like peak) never reads as 0.0 %."""
+    percent = fraction * 100
+    if 0 < abs(percent) < 1:
+        decimals = 1 - math.floor(math.log10(abs(percent)))
+        small = f"{percent:.{decimals}f}"
+        if abs(float(small)) < 1:  # 0.999 rounds to 1.00: shown as 1.0
+            return f"{small}%"
+    return f"{percent:.1f}%"
