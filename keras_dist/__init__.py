@@ -50,6 +50,7 @@ _PUBLIC = {
     "Distribution": "keras_dist.distribution.policies",
     "FSDP": "keras_dist.distribution.policies",
     "LayoutMap": "keras_dist.distribution.layout_map",
+    "MixedPrecisionPolicy": "keras_dist.distribution.mixed_precision",
     "ModelParallel": "keras_dist.distribution.policies",
     "OutOfDeviceMemoryError": "keras_dist.training.out_of_memory",
     "Plan": "keras_dist.planner",
@@ -81,6 +82,7 @@ __all__ = [
     "Distribution",
     "FSDP",
     "LayoutMap",
+    "MixedPrecisionPolicy",
     "ModelParallel",
     "OutOfDeviceMemoryError",
     "Plan",
@@ -181,6 +183,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the API docs
     from keras_dist.checkpoint import Checkpoint, export, restore
     from keras_dist.distribution.layout_map import LayoutMap
     from keras_dist.distribution.mesh import DeviceMesh, TensorLayout
+    from keras_dist.distribution.mixed_precision import MixedPrecisionPolicy
     from keras_dist.distribution.policies import (
         FSDP,
         DataParallel,

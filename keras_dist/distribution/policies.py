@@ -18,6 +18,7 @@ from keras_dist.distribution.mesh import (
     describe_mesh,
     validate_axes_in_mesh,
 )
+from keras_dist.distribution.mixed_precision import check_mixed_precision
 from keras_dist.distribution.remat import check_remat
 from keras_dist.keras_compat.data_adapters import (
     is_tf_dataset,
@@ -132,6 +133,12 @@ class Distribution(KerasDistribution):
         """The `keras.RematScope` whose mode layers are recomputed with in
         backward, or None (see `remat=`)."""
         return self._remat
+
+    @property
+    def mixed_precision(self) -> Any:
+        """The `MixedPrecisionPolicy` of `ModelParallel` and `FSDP`
+        (`mixed_precision=`), or None."""
+        return getattr(self, "_mixed_precision", None)
 
     @property
     def num_model_replicas(self) -> int:
@@ -334,6 +341,12 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
             mesh's first axis.
         auto_shard_dataset: see `Distribution`.
         remat: keyword only; see `Distribution`.
+        mixed_precision: keyword only. A `keras_dist.MixedPrecisionPolicy`
+            (or its compute dtype, `"bfloat16"`): the float32 layers compute
+            in that dtype for the calls under this distribution, their
+            variables kept float32, and gradients are reduced in its
+            `reduce_dtype`. None (the default): each layer as its own Keras
+            dtype policy says.
 
     Example:
 
@@ -353,7 +366,9 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
         auto_shard_dataset: bool = True,
         *,
         remat: Any = None,
+        mixed_precision: Any = None,
     ):
+        self._mixed_precision = check_mixed_precision(mixed_precision)
         if layout_map is None:
             raise ValueError(
                 "ModelParallel needs `layout_map=`, a LayoutMap from variable "
@@ -489,6 +504,9 @@ class FSDP(ModelParallel):
         auto_shard_dataset: see `Distribution`.
         remat: keyword only; see `Distribution` (activation checkpointing, for
             models whose activations do not fit beside their shards).
+        mixed_precision: keyword only; see `ModelParallel` (FSDP2's
+            `MixedPrecisionPolicy`: weights gathered and computed in bfloat16,
+            kept float32 in their shards).
         keep_optimizer_sharded: keyword only, PyTorch. True (the default):
             the optimizer's state (Adam's moments: 8 bytes a parameter in
             fp32) stays split between calls, each process holding its part,
@@ -527,6 +545,7 @@ class FSDP(ModelParallel):
         devices: Any = None,
         remat: Any = None,
         keep_optimizer_sharded: bool = True,
+        mixed_precision: Any = None,
     ):
         if not isinstance(keep_optimizer_sharded, bool):
             raise TypeError(
@@ -571,7 +590,14 @@ class FSDP(ModelParallel):
         self._axis = axis
         self._min_size = int(min_size)
         self._keep_optimizer_sharded = keep_optimizer_sharded
-        super().__init__(device_mesh, layout_map, axis, auto_shard_dataset, remat=remat)
+        super().__init__(
+            device_mesh,
+            layout_map,
+            axis,
+            auto_shard_dataset,
+            remat=remat,
+            mixed_precision=mixed_precision,
+        )
 
     @property
     def axis(self) -> str:
@@ -622,5 +648,6 @@ class FSDP(ModelParallel):
             f"<FSDP device_mesh={self.device_mesh}, axis={self._axis!r}, "
             f"min_size={self._min_size}"
             + ("" if self._keep_optimizer_sharded else ", keep_optimizer_sharded=False")
+            + (f", mixed_precision={self.mixed_precision}" if self.mixed_precision else "")
             + ">"
         )

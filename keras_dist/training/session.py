@@ -13,6 +13,7 @@ import keras
 from keras_dist import keras_compat
 from keras_dist.backends import get_adapter
 from keras_dist.distribution.policies import Distribution, ModelParallel
+from keras_dist.distribution.mixed_precision import compute_in
 from keras_dist.distribution.remat import rematerialize
 from keras_dist.faults import heartbeat
 from keras_dist.keras_compat.callbacks import silence_callbacks
@@ -107,6 +108,18 @@ class DistributedRun:
                         self.distribution.remat,
                         warn=adapter.process_id() == 0,
                         recomputes_state=adapter.recomputes_layer_state,
+                    )
+                )
+            except BaseException:
+                self.stop()
+                raise
+        if self.distribution.mixed_precision is not None:
+            try:
+                self._undo.append(
+                    compute_in(
+                        self.model,
+                        self.distribution.mixed_precision,
+                        warn=adapter.process_id() == 0,
                     )
                 )
             except BaseException:

@@ -266,6 +266,18 @@ class ShardedRun:
             self._values,
             self._all_layers,
         )
+        policy = getattr(self.distribution, "mixed_precision", None)
+        reduce_dtype = policy.reduce_dtype if policy is not None else None
+        if reduce_dtype is not None and group is None:
+            self.stop()
+            raise NotImplementedError(
+                f"mixed_precision={policy!r}: on PyTorch gradients are summed in a "
+                "dtype of their own only by FSDP along the batch axis (plain "
+                "compute). This run computes through DTensor (a variable split "
+                "along a model axis, a BatchNormalization layer, or a split "
+                "non-trainable variable), whose ops sum a gradient in the dtype "
+                "they compute it in. Leave `reduce_dtype` None there."
+            )
         if group is not None:
             self._plain = PlainCompute(
                 model=self.model,
@@ -276,6 +288,7 @@ class ShardedRun:
                 variables=self._variables,
                 layers=self._all_layers,
                 calling=self._layers,
+                reduce_dtype=reduce_dtype,
             )
         self._track_layers()
         patch_variables()

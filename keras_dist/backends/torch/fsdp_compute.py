@@ -93,6 +93,10 @@ class _Spec:
     shape: tuple[int, ...]
     placements: tuple
     stride: tuple[int, ...]
+    # The variable's dtype, and the one its whole value is gathered in (its
+    # layer's compute dtype under a mixed policy: cast before the gather).
+    dtype: torch.dtype
+    gather_dtype: torch.dtype
 
     def padded_shape(self, parts: int) -> tuple[int, ...]:
         """The shape of one process' part, padded to the largest part."""
@@ -146,6 +150,10 @@ def _gather_wholes(
     blocks: list[torch.Tensor | None] = [None] * len(specs)
     pending = []
     bundled = []
+    locals_ = [
+        local.to(spec.gather_dtype) if local.dtype != spec.gather_dtype else local
+        for spec, local in zip(specs, locals_, strict=True)
+    ]
     for index, (spec, local) in enumerate(zip(specs, locals_, strict=True)):
         if spec.dim is None:
             continue
@@ -228,9 +236,15 @@ class _GatherLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, batch: BatchGroup, mesh: Any, specs: Sequence[_Spec], *values: Any
+        ctx: Any,
+        batch: BatchGroup,
+        mesh: Any,
+        specs: Sequence[_Spec],
+        reduce_dtype: torch.dtype | None,
+        *values: Any,
     ) -> tuple[torch.Tensor, ...]:
         ctx.batch, ctx.mesh, ctx.specs = batch, mesh, specs
+        ctx.reduce_dtype = reduce_dtype
         ctx.set_materialize_grads(False)
         return _gather_wholes(batch, specs, [value.to_local() for value in values])
 
@@ -238,13 +252,19 @@ class _GatherLayer(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         batch, specs = ctx.batch, ctx.specs
         parts = batch.size
+        if ctx.reduce_dtype is not None:
+            # Summed over processes in the policy's reduce dtype (float32:
+            # each bfloat16 gradient cast up before its reduce-scatter).
+            grads = tuple(
+                None if grad is None else grad.to(ctx.reduce_dtype) for grad in grads
+            )
         # Each (parts, n): what goes to each process. A large variable split
         # along its first dimension is reduce-scattered alone, straight from
         # its gradient (a view); the others from one buffer they are copied
         # into (see `_OWN_COLLECTIVE_BYTES`).
         rows: dict[int, torch.Tensor] = {}
         for index, (spec, grad, needed) in enumerate(
-            zip(specs, grads, ctx.needs_input_grad[3:], strict=True)
+            zip(specs, grads, ctx.needs_input_grad[4:], strict=True)
         ):
             if grad is None or not needed:
                 continue
@@ -261,7 +281,7 @@ class _GatherLayer(torch.autograd.Function):
             )
             rows[index] = split.movedim(spec.dim, 0).reshape(parts, -1)
         if not rows:
-            return (None, None, None, *(None for _ in specs))
+            return (None, None, None, None, *(None for _ in specs))
         received: dict[int, torch.Tensor] = {}
         buffers = []  # what the reduce-scatters write: divided once each
         pending = []
@@ -308,6 +328,7 @@ class _GatherLayer(torch.autograd.Function):
                 padded = spec.padded_shape(parts)
                 _, length = chunk_bounds(spec.shape[spec.dim], parts, batch.index)
                 local = part.view(padded).narrow(spec.dim, 0, length).contiguous()
+            local = local.to(spec.dtype)  # the variable's own dtype again
             results.append(
                 DTensor.from_local(
                     local,
@@ -318,21 +339,33 @@ class _GatherLayer(torch.autograd.Function):
                     stride=spec.stride,
                 )
             )
-        return (None, None, None, *results)
+        return (None, None, None, None, *results)
 
 
 def gather_layer_variables(
-    batch: BatchGroup, mesh: Any, batch_axis: int, values: Sequence[DTensor]
+    batch: BatchGroup,
+    mesh: Any,
+    batch_axis: int,
+    values: Sequence[DTensor],
+    gather_dtypes: Sequence[torch.dtype | None] | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[Regather, int], ...]]:
     """Whole plain values of `values` (DTensors split along mesh axis
     `batch_axis`, or replicated along it), gathered together per dtype (one
     all-gather per split variable, see the module); their gradients are
     reduce-scattered (averaged) together per dtype.
+    `gather_dtypes`: per value, the dtype it is cast to before its gather
+    (None: its own); the whole value has that dtype, its gradient is summed
+    in `reduce_dtype` (None: the gradient's) and comes back in the value's.
     With each value, how to gather it again: its bucket's `Regather` and its
     index there (for `ReshardAfterForward.hold`)."""
+    wanted = [
+        (gather_dtypes[index] if gather_dtypes else None) or value.dtype
+        for index, value in enumerate(values)
+    ]
     by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, value in enumerate(values):
-        by_dtype.setdefault(value.dtype, []).append(index)
+    for index, dtype in enumerate(wanted):
+        by_dtype.setdefault(dtype, []).append(index)
     outputs: list[Any] = [None] * len(values)
     regathers: list[Any] = [None] * len(values)
     for indices in by_dtype.values():
@@ -346,10 +379,12 @@ def gather_layer_variables(
                     shape=tuple(value.shape),
                     placements=tuple(value.placements),
                     stride=tuple(value.stride()),
+                    dtype=value.dtype,
+                    gather_dtype=wanted[index],
                 )
             )
         bucket = [values[index] for index in indices]
-        wholes = _GatherLayer.apply(batch, mesh, tuple(specs), *bucket)
+        wholes = _GatherLayer.apply(batch, mesh, tuple(specs), reduce_dtype, *bucket)
         regather = Regather(batch, specs, bucket)
         for position, (index, whole) in enumerate(zip(indices, wholes, strict=True)):
             outputs[index] = whole
@@ -417,7 +452,7 @@ class ReshardAfterForward:
         if held is None:
             return tensor
         regather, index = held
-        if tensor.dtype != regather.values[index].dtype:
+        if tensor.dtype != regather.specs[index].gather_dtype:
             return tensor  # a reinterpreting view: keep it
         return _Packed(
             regather,

@@ -152,6 +152,7 @@ class PlainCompute:
         layers: the model and every layer in it.
         calling: the run's stack of layers being called, innermost last
             (shared: the run names the innermost one in its errors).
+        reduce_dtype: the dtype gradients are summed in (None: their own).
     """
 
     def __init__(
@@ -165,8 +166,12 @@ class PlainCompute:
         variables: list[Any],
         layers: list[Any],
         calling: list[Any],
+        reduce_dtype: str | None = None,
     ):
         self.model = model
+        # The dtype gradients are summed over processes in (a mixed-precision
+        # policy's `reduce_dtype`; None: the dtype they are computed in).
+        self.reduce_dtype = getattr(torch, reduce_dtype) if reduce_dtype else None
         self.mesh = mesh
         self.batch = batch
         self._batch_axis = batch_axis
@@ -264,11 +269,16 @@ class PlainCompute:
         ]
         if not variables:
             return
+        # A weight Keras' autocast reads cast (a mixed policy) is cast before
+        # its gather: the same whole value, in half the bytes.
+        casts = [internals.reads_cast(layer, variable) for variable in variables]
         whole, regathers = gather_layer_variables(
             self.batch,
             self.mesh,
             self._batch_axis,
             [internals.variable_storage(variable) for variable in variables],
+            gather_dtypes=[getattr(torch, cast) if cast else None for cast in casts],
+            reduce_dtype=self.reduce_dtype,
         )
         self._reshard.hold(whole, regathers)
         for variable, value in zip(variables, whole, strict=True):
@@ -344,7 +354,11 @@ class PlainCompute:
         held = self._read_cache.get(id(variable))
         if held is None:
             (whole,), regathers = gather_layer_variables(
-                self.batch, self.mesh, self._batch_axis, [value]
+                self.batch,
+                self.mesh,
+                self._batch_axis,
+                [value],
+                reduce_dtype=self.reduce_dtype,
             )
             self._reshard.hold([whole], regathers)
             held = self._read_cache[id(variable)] = [variable, whole, whole._version]

@@ -509,6 +509,26 @@ def own_variables(layer: Any) -> list[Any]:
     return [*own_trainable_variables(layer), *own_non_trainable_variables(layer)]
 
 
+def reads_cast(layer: Any, variable: Any) -> str | None:
+    """The dtype `layer`'s call reads `variable` in when Keras' autocast
+    casts it there (a float variable of a layer computing in another float
+    dtype, both allowing autocast: `Layer.__call__`'s scope, the variable's
+    `_autocast`), else None."""
+    compute = layer.compute_dtype
+    # `Variable._dtype`: its own dtype (`.dtype` answers the autocast scope's
+    # inside a mixed layer's call).
+    own = getattr(variable, "_dtype", None)
+    if not (
+        layer.autocast
+        and getattr(variable, "_autocast", False)
+        and "float" in str(compute)
+        and "float" in str(own)
+        and compute != own
+    ):
+        return None
+    return compute
+
+
 def added_losses(layer: Any) -> list[Any]:
     """The list of the losses `layer.add_loss` collected during its call (not
     its sublayers', not regularizers'): `Layer._losses`, changed in place."""
