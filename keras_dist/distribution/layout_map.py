@@ -96,3 +96,32 @@ class LayoutMap(keras.distribution.LayoutMap):
     @property
     def device_mesh(self) -> Any:
         return self._device_mesh
+
+
+# -- LoRA factors laid out with their base kernel ------------------------------
+# Keras' `enable_lora(rank)` adds, beside a layer's `kernel`, `lora_kernel_a`
+# of shape kernel.shape[:-1] + (rank,) and `lora_kernel_b` of shape
+# (rank, kernel.shape[-1]); the layer adds `a @ b` (times a scale) to its
+# kernel. Laid out as the kernel is on the dimensions they share (and
+# replicated along the small rank), `a @ b` comes out laid out as the kernel:
+#
+#     kernel   (d0, ..., dn-1, dn)   axes (x0, ..., xn-1, xn)
+#     a        (d0, ..., dn-1, r)    axes (x0, ..., xn-1, None)
+#     b        (r, dn)               axes (None, xn)
+LORA_FACTORS = ("lora_kernel_a", "lora_kernel_b")
+
+
+def lora_base_path(path: str) -> str | None:
+    """The path of the kernel a LoRA factor belongs to, or None."""
+    head, _, name = path.rpartition("/")
+    return f"{head}/kernel" if head and name in LORA_FACTORS else None
+
+
+def lora_axes(path: str, factor_rank: int, kernel_axes: tuple, kernel_rank: int) -> tuple:
+    """The axes of the LoRA factor at `path` (of `factor_rank` dimensions)
+    from its kernel's (`kernel_axes`, spelled out or fewer, of a kernel of
+    `kernel_rank` dimensions): see above."""
+    axes = tuple(kernel_axes) + (None,) * (kernel_rank - len(kernel_axes))
+    if path.endswith("lora_kernel_a"):
+        return axes[: factor_rank - 1] + (None,)
+    return (None, axes[-1])

@@ -18,6 +18,7 @@ from keras_dist.distribution.mesh import (
     describe_mesh,
     validate_axes_in_mesh,
 )
+from keras_dist.distribution.layout_map import lora_axes, lora_base_path
 from keras_dist.distribution.mixed_precision import check_mixed_precision
 from keras_dist.distribution.remat import check_remat
 from keras_dist.keras_compat.data_adapters import (
@@ -409,6 +410,8 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
             validate_axes_in_mesh(layout.axes, device_mesh)
         super().__init__(device_mesh, batch_dim_name, auto_shard_dataset, remat=remat)
         self._layout_map = layout_map
+        # A LoRA factor's kernel rank, by the kernel's path (`_lora_layout`).
+        self._kernel_ranks: dict[str, int] = {}
         replicas = self.num_model_replicas
         if self._num_processes > replicas and self._num_processes % replicas != 0:
             raise ValueError(
@@ -440,6 +443,8 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
     def layout_for_variable(self, variable: Any) -> Any:
         layout = self._on_mesh(self._layout_map[variable.path])
         if layout is None:
+            layout = self._lora_layout(variable)
+        if layout is None:
             return super().layout_for_variable(variable)
         rank = len(variable.shape)
         if len(layout.axes) > rank:
@@ -454,6 +459,21 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
             axes = (*layout.axes, *([None] * (rank - len(layout.axes))))
             layout = TensorLayout(axes, layout.device_mesh)
         return layout
+
+    def _lora_layout(self, variable: Any) -> Any:
+        """A LoRA factor no key lays out: its kernel's layout on the
+        dimensions they share (`layout_map.lora_axes`), else None."""
+        base = lora_base_path(variable.path)
+        kernel = None if base is None else self._on_mesh(self._layout_map[base])
+        if kernel is None:
+            return None
+        rank = len(variable.shape)
+        if variable.path.endswith("lora_kernel_a"):
+            # The kernel has the rank of its factor `a`, made first.
+            self._kernel_ranks[base] = rank
+        kernel_rank = self._kernel_ranks.get(base, len(kernel.axes))
+        axes = lora_axes(variable.path, rank, tuple(kernel.axes), kernel_rank)
+        return TensorLayout(axes, self.device_mesh)
 
     def get_tensor_layout(self, path: str) -> Any:
         return self._on_mesh(self._layout_map[path])
