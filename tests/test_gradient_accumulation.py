@@ -72,8 +72,8 @@ def test_accumulation_inside_a_replica_is_a_clear_error_on_tensorflow():
 
 @pytest.mark.backend("torch")
 def test_accumulation_all_reduces_once_per_update_on_torch(tmp_path):
-    """2 processes. keras_dist's communication hook, wrapped, counts DDP's
-    gradient all-reduces: one per weight update (the model's gradients fit in
+    """2 processes. A counting communication hook on keras_dist's DDP counts
+    its gradient all-reduces: one per weight update (the model's gradients fit in
     one bucket), none on the micro-steps in between (whose metric sums take an
     all-reduce of their own)."""
     results = run_job(

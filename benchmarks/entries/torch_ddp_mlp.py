@@ -29,7 +29,15 @@ processes as the launcher starts (one CPU device each, gloo), taking turns:
 With `KERAS_DIST_BENCH_JIT=1` also `keras_dist_jit` (and on one process
 `plain_keras_jit`): the same fits of a model compiled with `jit_compile=True`,
 whose step Keras' torch trainer compiles with `torch.compile` (the compile
-happens in the warm-up).
+happens in the warm-up), and `torch_loop_jit`: the hand loop with its DDP
+module compiled, `torch.compile(DistributedDataParallel(model))` as torch's
+DDP documentation does (dynamo's DDPOptimizer splits the graph at the gradient
+buckets), torch Adam and the loss eager. Before the timing, each compiled
+keras_dist (or plain Keras) model's third step runs through
+`torch._dynamo.explain`: its graphs and graph breaks, with the frames they
+come from, are printed and written to the JSON (`dynamo_explain`), with the
+number of breaks TorchDynamo could not resume after (`not_resumed`: a frame
+left eager).
 
 The keras_dist fit also computes the accuracy metric the model was compiled
 with; the loop does not (it is what users write). Each process uses one torch
@@ -45,6 +53,8 @@ KERAS_BACKEND=torch PYTHONPATH=. python -m keras_dist launch --nproc-per-node 2 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -70,6 +80,10 @@ from benchmarks.mlp import (  # noqa: E402
     describe,
     fit_steps,
     synthetic_data,
+)
+from benchmarks.torch_compile_report import (  # noqa: E402
+    explain_fit_step,
+    print_report,
 )
 from keras_dist.keras_compat.torch_trainer import keras_wraps_in_ddp  # noqa: E402
 
@@ -110,7 +124,12 @@ def main() -> None:
     loss_fn = torch.nn.CrossEntropyLoss()
     x_torch, y_torch = torch.from_numpy(x), torch.from_numpy(y).long()
 
-    def fit_loop(steps: int, callbacks: list) -> _History:
+    def loop(forward: Any, optimizer: Any) -> Callable[[int, list], _History]:
+        return lambda steps, callbacks: fit_loop(steps, callbacks, forward, optimizer)
+
+    def fit_loop(
+        steps: int, callbacks: list, forward: Any = forward, optimizer: Any = optimizer
+    ) -> _History:
         rows = steps * GLOBAL_BATCH
         dataset = TensorDataset(x_torch[:rows], y_torch[:rows])
         sampler = DistributedSampler(
@@ -163,7 +182,13 @@ def main() -> None:
                 fit_steps(build_model(metrics=()), x, y),
             )
         )
+    explained = {}
     if os.environ.get("KERAS_DIST_BENCH_JIT") == "1":
+        log = print if rank == 0 else (lambda *_: None)
+        explained["keras_dist_jit"] = explain_fit_step(
+            fit_steps(build_model(jit_compile=True), x, y, _keras_dist_callbacks)
+        )
+        print_report("keras_dist_jit", explained["keras_dist_jit"], log)
         candidates.append(
             Candidate(
                 "keras_dist_jit",
@@ -171,7 +196,27 @@ def main() -> None:
                 fit_steps(build_model(jit_compile=True), x, y, _keras_dist_callbacks),
             )
         )
+        jit_model = build_model()
+        jit_forward = torch.compile(
+            DistributedDataParallel(jit_model) if world_size > 1 else jit_model
+        )
+        jit_optimizer = torch.optim.Adam(
+            jit_model.parameters(),
+            lr=float(optimizer_config.learning_rate),
+            eps=optimizer_config.epsilon,
+        )
+        candidates.append(
+            Candidate(
+                "torch_loop_jit",
+                "the guide's loop, its DDP module torch.compile'd",
+                loop(jit_forward, jit_optimizer),
+            )
+        )
         if world_size == 1:
+            explained["plain_keras_jit"] = explain_fit_step(
+                fit_steps(build_model(jit_compile=True), x, y)
+            )
+            print_report("plain_keras_jit", explained["plain_keras_jit"], log)
             candidates.append(
                 Candidate(
                     "plain_keras_jit",
@@ -216,6 +261,7 @@ def main() -> None:
         model=describe(kd_model),
         baseline="torch_loop",
         devices_used={},
+        dynamo_explain=explained,
         **timings,
     )
 

@@ -59,12 +59,32 @@ class GlobalBatchNorm:
         """Inside: the step's batch has row mask `mask`; `padded=False` (when
         the caller knows no row is padding) lets one replica use Keras' own,
         cheaper moments."""
-        previous = getattr(cls._current, "mask", None), cls._padded()
-        cls._current.mask, cls._current.padded = mask, padded
+        previous = cls.enter_rows(mask, padded)
         try:
             yield
         finally:
-            cls._current.mask, cls._current.padded = previous
+            cls.leave_rows(previous)
+
+    @classmethod
+    def enter_rows(cls, mask: Any, padded: bool = True) -> tuple[Any, bool]:
+        """`rows(mask, padded)` without a context manager, for a step that
+        `torch.compile` traces through a call it cannot trace (DDP's forward):
+        TorchDynamo resumes after such a call, but not inside a generator's
+        context. Returns what `leave_rows` puts back; `clear` undoes it after
+        an error."""
+        previous = getattr(cls._current, "mask", None), cls._padded()
+        cls._current.mask, cls._current.padded = mask, padded
+        return previous
+
+    @classmethod
+    def leave_rows(cls, previous: tuple[Any, bool]) -> None:
+        cls._current.mask, cls._current.padded = previous
+
+    @classmethod
+    def clear(cls) -> None:
+        """No step's rows in this thread (after a step that raised between
+        `enter_rows` and `leave_rows`)."""
+        cls._current.mask, cls._current.padded = None, True
 
     @classmethod
     def _padded(cls) -> bool:

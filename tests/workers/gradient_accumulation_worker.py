@@ -5,8 +5,8 @@ accumulation and once with one batch ACCUMULATION times larger.
 Imported by tests/test_gradient_accumulation.py (JAX and TensorFlow, one
 process) and run as one rank of a PyTorch job by `tests.multiprocess.run_job`:
 Usage: python gradient_accumulation_worker.py OUTPUT_JSON
-On PyTorch every all-reduce of DDP's gradient buckets is counted through the
-communication hook keras_dist registers (`DistributedDataParallel.register_comm_hook`).
+On PyTorch every all-reduce of DDP's gradient buckets is counted through a
+communication hook registered on each `DistributedDataParallel` made.
 """
 
 from __future__ import annotations
@@ -103,25 +103,27 @@ def run(
 
 
 def count_gradient_all_reduces() -> list[list[int]]:
-    """One counter per DistributedDataParallel that gets a communication hook
-    from now on (keras_dist's DDP registers its own, `gradient_rides`): how
-    many times it all-reduced a gradient bucket."""
+    """One counter per DistributedDataParallel made from now on: how many
+    times it all-reduced a gradient bucket (a communication hook doing what
+    DDP's own reducer does, counting)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
     counters: list[list[int]] = []
-    original = DistributedDataParallel.register_comm_hook
+    original = DistributedDataParallel.__init__
 
-    def register_comm_hook(self, state, hook):
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
         counter = [0]
         counters.append(counter)
 
         def counting(state, bucket):
             counter[0] += 1
-            return hook(state, bucket)
+            return default_hooks.allreduce_hook(state, bucket)
 
-        return original(self, state, counting)
+        self.register_comm_hook(None, counting)
 
-    DistributedDataParallel.register_comm_hook = register_comm_hook
+    DistributedDataParallel.__init__ = __init__
     return counters
 
 

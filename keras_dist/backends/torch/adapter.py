@@ -41,7 +41,6 @@ from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.torch import keras_internals as internals
 from keras_dist.backends.torch import metric_sync, process_group
 from keras_dist.backends.torch.global_moments import global_batch_norm, global_moments
-from keras_dist.backends.torch.gradient_rides import GradientRides
 from keras_dist.backends.torch.input_adapter import (
     ProcessLocalRankBatches,
     RankBatches,
@@ -134,6 +133,10 @@ def _describe_flight_record(record: dict) -> str:
             f"sizes {entry.get('input_sizes')} state {entry.get('state')}"
         )
     return "\n".join(lines)
+
+
+def _no_wait() -> None:
+    """The wait of a sum already done."""
 
 
 def _accelerator_type() -> str | None:
@@ -368,15 +371,15 @@ class TorchAdapter(BackendAdapter):
 
     def _collectives(self, model: Any, user_steps: set[str]) -> internals.Collectives:
         world_size, _ = self._world()
-        forward, rides = model, None
+        forward = model
         if world_size > 1 and "train_step" not in user_steps:
-            # Gradients are averaged by DDP's bucketed all-reduce during backward.
-            # (The user's own train_step calls the model itself: its optimizers
-            # average the gradients instead, see `average_gradients`.)
+            # Gradients are averaged by DDP's bucketed all-reduce during backward,
+            # DDP's own (C++) reducer: a Python communication hook would run
+            # each bucket's all-reduce through the interpreter lock, which
+            # gloo's threads then wait for. (The user's own train_step calls the
+            # model itself: its optimizers average the gradients instead, see
+            # `average_gradients`.)
             forward = DistributedDataParallel(model)
-            # Each step's metric sums ride in the gradient all-reduce.
-            rides = GradientRides(world_size)
-            forward.register_comm_hook(None, rides.hook)
 
         def average_gradients(gradients: list[Any]) -> list[Any]:
             present = [g for g in gradients if g is not None]
@@ -396,7 +399,12 @@ class TorchAdapter(BackendAdapter):
 
         def start_sum(tensor: Any) -> Any:
             if world_size == 1:
-                return lambda: None
+                return _no_wait
+            if torch.compiler.is_compiling():
+                # Traced into the compiled step (TorchDynamo makes it a
+                # functional all-reduce): summed now, in place.
+                torch_distributed.all_reduce(tensor, op=torch_distributed.ReduceOp.SUM)
+                return _no_wait
             work = torch_distributed.all_reduce(
                 tensor, op=torch_distributed.ReduceOp.SUM, async_op=True
             )
@@ -419,7 +427,6 @@ class TorchAdapter(BackendAdapter):
             # DDP leaves the gradients of a backward run inside this context
             # un-reduced (gradient accumulation's micro-steps).
             skip_gradient_sync=forward.no_sync if forward is not model else None,
-            sum_in_backward=rides.ride if rides is not None else None,
         )
 
     def _broadcast_from_process_zero(self, model: Any) -> None:
@@ -588,6 +595,8 @@ class TorchAdapter(BackendAdapter):
         # Reading a batch is the hang doctor's phase "data".
         internals.route_batches(heartbeat.watching_batches(batches_for_epoch))
         self._on_deactivate(model, internals.unroute_batches)
+        # A step that raised in its forward leaves no batch rows behind.
+        self._on_deactivate(model, GlobalBatchNorm.clear)
         steps = internals.make_steps(model, collectives, user_steps)
         if dtensors:
             steps = run.wrap_steps(steps)

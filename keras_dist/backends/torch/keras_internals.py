@@ -77,9 +77,6 @@ class Collectives:
     # A context around the loss computation (FSDP's plain compute: weight
     # regularizers read whole weights in it).
     loss_scope: Callable[[], Any] = contextlib.nullcontext
-    # Like `start_sum`, but the sum rides in the next backward's gradient
-    # all-reduce (DDP's comm hook, `gradient_rides`); None without DDP.
-    sum_in_backward: Callable[[Any], Callable[[], None]] | None = None
 
 
 def check() -> list[str]:
@@ -205,38 +202,33 @@ def _weights(batch: Any) -> tuple[Any, Any, Any, Any, Any]:
     return x, y, mask, weights, loss_weights
 
 
-def _synced_results(model: Any, collectives: Collectives) -> dict[str, Any]:
-    """Global metric results now (see `metric_sync`)."""
-    if collectives.world_size == 1 or not model.metrics_variables:
-        return type(model).get_metrics_result(model)
-    return _metric_sync(model, collectives, average_non_trainable=False).finish()
-
-
 def _metric_sync(
-    model: Any,
-    collectives: Collectives,
-    *,
-    average_non_trainable: bool,
-    in_backward: bool = False,
+    model: Any, collectives: Collectives, *, average_non_trainable: bool
 ) -> MetricSync:
     return MetricSync(
         model,
         world_size=collectives.world_size,
         start_sum=collectives.start_sum,
-        sum_in_backward=collectives.sum_in_backward if in_backward else None,
         storage=variable_storage,
         average_non_trainable=average_non_trainable,
     )
 
 
 def _update_metrics(
-    model: Any, loss: Any, batch: Any, parts: tuple, world_size: int
+    model: Any,
+    loss: Any,
+    batch: Any,
+    parts: tuple,
+    world_size: int,
+    keras_metrics: bool,
 ) -> None:
+    """`keras_metrics`: the model keeps Keras' own `compute_metrics`
+    (`uses_keras_compute_metrics`, asked once per run, not in the step)."""
     x, y, y_pred, mask, weights = parts
     # Each process' loss is (its rows' loss sum) * world_size / global_rows;
     # this weight makes the tracker's sums over processes the global mean.
     model._loss_tracker.update_state(loss, sample_weight=batch.global_rows / world_size)
-    if uses_keras_compute_metrics(model):
+    if keras_metrics:
         update_compiled_metrics(model, y, y_pred, mask, weights)
     else:
         model.compute_metrics(x, y, y_pred, weights)
@@ -351,6 +343,12 @@ def make_steps(
     # None until the first step, then whether to look for unused weights.
     look_for_unused: list[bool | None] = [None]
     world_size = collectives.world_size
+    keras_metrics = uses_keras_compute_metrics(model)
+    # The metric states' sums over the processes: for each step's logs (with
+    # BatchNorm's statistics, which gradients do not sync), and for epoch
+    # logs and `evaluate`'s results.
+    step_sums = _metric_sync(model, collectives, average_non_trainable=True)
+    result_sums = _metric_sync(model, collectives, average_non_trainable=False)
 
     def rows_of(batch: Any, mask: Any, loss_weights: Any, weights: Any) -> StepRows:
         # The weights the step computed already (no extra work per step).
@@ -371,9 +369,7 @@ def make_steps(
         else:
             # With the metric states, the state gradients do not sync
             # (BatchNorm's moving statistics) is averaged.
-            results = _metric_sync(
-                model, collectives, average_non_trainable=True
-            ).finish()
+            results = step_sums.results()
         return global_logs(model, logs, lambda: results)
 
     def user_test_step(batch: Any) -> Any:
@@ -388,8 +384,16 @@ def make_steps(
         # A micro-step of gradient accumulation: no gradient all-reduce.
         local = contextlib.nullcontext if update else collectives.skip_gradient_sync
         padded = batch.padded_rows != batch.global_rows
-        with local(), GlobalBatchNorm.rows(batch.mask, padded):
+        # Not a `with`: under `torch.compile` the step runs DDP's forward
+        # (which TorchDynamo cannot trace) between two compiled parts, and
+        # resumes after it only outside generator contexts.
+        rows = GlobalBatchNorm.enter_rows(batch.mask, padded)
+        if update:
             y_pred = collectives.forward(x, **kwargs)
+        else:
+            with local():
+                y_pred = collectives.forward(x, **kwargs)
+        GlobalBatchNorm.leave_rows(rows)
         model.zero_grad()
         with (
             step_rows(rows_of(batch, mask, loss_weights, weights)),
@@ -399,15 +403,19 @@ def make_steps(
                 x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=True
             )
         _update_metrics(
-            model, loss, batch, (x, y, y_pred, mask, weights), collectives.world_size
+            model,
+            loss,
+            batch,
+            (x, y, y_pred, mask, weights),
+            world_size,
+            keras_metrics,
         )
         sync = None
-        if collectives.world_size > 1:
+        if world_size > 1 and not torch.compiler.is_compiling():
             # Metric states and BatchNorm statistics are final for this step:
-            # their sum rides in backward's gradient all-reduce.
-            sync = _metric_sync(
-                model, collectives, average_non_trainable=True, in_backward=True
-            )
+            # their sum runs beside backward. (Compiled, the sum is in the
+            # graph, after backward: `MetricSync.results`.)
+            sync = step_sums.start()
         if model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
         trainable = model.trainable_weights[:]
@@ -422,14 +430,19 @@ def make_steps(
                 if look_for_unused[0] is None:
                     look_for_unused[0] = bool(unused)
                 loss = unused_weights.reach(loss, unused)
-            with local():
+            if update:
                 loss.backward()
+            else:
+                with local():
+                    loss.backward()
             unused_weights.forget(unused)
             with collectives.no_grad():
                 model.optimizer.apply([v.value.grad for v in trainable], trainable)
-        if sync is None:
-            return type(model).get_metrics_result(model)
-        return sync.finish()
+        if sync is not None:
+            return sync.finish()
+        if world_size > 1:
+            return step_sums.results()
+        return type(model).get_metrics_result(model)
 
     def test_step(batch: Any) -> Any:
         x, y, mask, weights, loss_weights = _weights(batch)
@@ -443,7 +456,12 @@ def make_steps(
                 x=x, y=y, y_pred=y_pred, sample_weight=loss_weights, training=False
             )
         _update_metrics(
-            model, loss, batch, (x, y, y_pred, mask, weights), collectives.world_size
+            model,
+            loss,
+            batch,
+            (x, y, y_pred, mask, weights),
+            world_size,
+            keras_metrics,
         )
         return model.get_metrics_result()
 
@@ -465,7 +483,9 @@ def make_steps(
 
     def get_metrics_result() -> dict[str, Any]:
         # Keras reads epoch logs and `evaluate`'s result from here too.
-        return _synced_results(model, collectives)
+        if world_size == 1 or not model.metrics_variables:
+            return type(model).get_metrics_result(model)
+        return result_sums.results()
 
     return {
         "train_step": user_train_step if "train_step" in user_steps else train_step,
@@ -503,12 +523,6 @@ def own_non_trainable_variables(layer: Any) -> list[Any]:
     return list(layer._non_trainable_variables)
 
 
-def own_variables(layer: Any) -> list[Any]:
-    """Every variable `layer` created itself, trainable or not, not those of
-    its sublayers."""
-    return [*own_trainable_variables(layer), *own_non_trainable_variables(layer)]
-
-
 def reads_cast(layer: Any, variable: Any) -> str | None:
     """The dtype `layer`'s call reads `variable` in when Keras' autocast
     casts it there (a float variable of a layer computing in another float
@@ -527,6 +541,12 @@ def reads_cast(layer: Any, variable: Any) -> str | None:
     ):
         return None
     return compute
+
+
+def own_variables(layer: Any) -> list[Any]:
+    """Every variable `layer` created itself, trainable or not, not those of
+    its sublayers."""
+    return [*own_trainable_variables(layer), *own_non_trainable_variables(layer)]
 
 
 def added_losses(layer: Any) -> list[Any]:

@@ -7,11 +7,14 @@ the same on every process. With `average_non_trainable` the same sum averages
 the state gradients do not sync (BatchNorm's moving statistics), which then
 stays equal on every process.
 
-Making one launches the sum, so that the train step overlaps it with backward:
-with `sum_in_backward` (DDP's comm hook, `gradient_rides`) it rides in the
-gradient all-reduce instead of a collective of its own. `finish` waits for it.
-It runs on every step: plain torch on the variables' tensors (one
-concatenation, one sum, in-place copies), not Keras' per-variable `assign`.
+`start()` launches the sum (an asynchronous all-reduce the train step starts
+before backward, so that it runs beside it) and returns a `PendingSum` whose
+`finish()` waits for it and reads the results. The states' layout (which
+tensors, their sizes, which are averaged) is worked out once and kept while
+the model's metric states are the same variables; each step is then a few
+fused torch ops on flat float64 buffers: one copy in, the sum, one division,
+one copy out, Keras' own results, one copy back. The sum is taken in float64,
+so a float32 state's global value is exactly the rounded sum.
 """
 
 from __future__ import annotations
@@ -23,11 +26,6 @@ import keras
 import torch
 
 _PER_PROCESS = "_keras_dist_per_process"
-
-# States that a float32 sum (the gradient bucket's dtype) keeps exact: float32
-# values summed over the processes round to the same float32 as a float64 sum.
-# Others (float64, integer counts) take their own float64 sum.
-_RIDES_EXACTLY = (torch.float32, torch.float16, torch.bfloat16)
 
 Start = Callable[[Any], Callable[[], None]]
 
@@ -46,12 +44,65 @@ def metric_state_is_per_process(variable: Any) -> bool:
     return bool(getattr(variable, _PER_PROCESS, False))
 
 
-class MetricSync:
-    """The global metric results of this step (see the module).
+class _Layout:
+    """Where each state sits in the flat buffers, for one set of variables."""
 
-    `start_sum` / `sum_in_backward` start summing a float tensor over the
-    processes in place and return its wait; `storage` gives the torch tensor a
-    Keras variable holds.
+    def __init__(
+        self,
+        metrics: list[Any],
+        shared: list[Any],
+        *,
+        world_size: int,
+        storage: Callable[[Any], torch.Tensor],
+    ):
+        mark_metric_states(metrics, per_process=True)
+        tensors = [storage(v) for v in (*metrics, *shared)]
+        sizes = [tensor.numel() for tensor in tensors]
+        # This process' own values (kept to be put back after the results),
+        # and the buffer summed over the processes.
+        self.local = torch.zeros(sum(sizes), dtype=torch.float64)
+        self.flat = torch.zeros_like(self.local)
+        self.tensors = tensors
+        self.local_views = _views(self.local, sizes, tensors)
+        flat_views = _views(self.flat, sizes, tensors)
+        # Summed states that are written back: BatchNorm's statistics and the
+        # metric states aggregated by sum or mean. Averaged ones are divided.
+        divisor = torch.ones_like(self.local)
+        self.put: list[torch.Tensor] = []
+        self.put_from: list[torch.Tensor] = []
+        self.restore: list[torch.Tensor] = []
+        self.restore_from: list[torch.Tensor] = []
+        offset = 0
+        for index, (variable, size) in enumerate(
+            zip((*metrics, *shared), sizes, strict=True)
+        ):
+            is_metric = index < len(metrics)
+            aggregation = variable.aggregation if is_metric else "mean"
+            if aggregation == "mean":
+                divisor[offset : offset + size] = world_size
+            if aggregation in ("sum", "mean"):
+                self.put.append(tensors[index])
+                self.put_from.append(flat_views[index])
+                if is_metric:
+                    self.restore.append(tensors[index])
+                    self.restore_from.append(self.local_views[index])
+            offset += size
+        self.divisor = divisor
+
+
+def _views(flat: torch.Tensor, sizes: list[int], like: list[torch.Tensor]) -> list:
+    return [
+        part.view(tensor.shape)
+        for part, tensor in zip(flat.split(sizes), like, strict=True)
+    ]
+
+
+class MetricSync:
+    """The global metric results of each step (see the module).
+
+    `start_sum` starts summing a float64 tensor over the processes in place
+    and returns its wait; `storage` gives the torch tensor a Keras variable
+    holds.
     """
 
     def __init__(
@@ -62,58 +113,110 @@ class MetricSync:
         start_sum: Start,
         storage: Callable[[Any], torch.Tensor],
         average_non_trainable: bool,
-        sum_in_backward: Start | None = None,
     ):
         self._model = model
         self._world_size = world_size
+        self._start_sum = start_sum
         self._storage = storage
-        self._metrics = list(model.metrics_variables)
-        mark_metric_states(self._metrics, per_process=True)
-        self._shared = []
-        if average_non_trainable:
-            self._shared = [
+        self._average_non_trainable = average_non_trainable
+        self._key: tuple[int, ...] | None = None
+        self._layout: _Layout | None = None
+
+    def _current_layout(self) -> _Layout:
+        model = self._model
+        metrics = list(model.metrics_variables)
+        shared = []
+        if self._average_non_trainable:
+            shared = [
                 v for v in model.non_trainable_variables if "float" in str(v.dtype)
             ]
-        tensors = [storage(v) for v in (*self._metrics, *self._shared)]
-        self._sizes = [tensor.numel() for tensor in tensors]
+        # Metrics built late (on their first update) or a new `compile()`
+        # change the variables: the layout is made again.
+        key = (len(metrics), *map(id, metrics), *map(id, shared))
+        if self._layout is None or key != self._key:
+            self._layout = _Layout(
+                metrics, shared, world_size=self._world_size, storage=self._storage
+            )
+            self._key = key
+        return self._layout
+
+    def results(self) -> dict[str, Any]:
+        """The global results now. Under `torch.compile` in the form it
+        traces: the sum inside the graph, no layout kept between steps."""
+        if torch.compiler.is_compiling():
+            return self._traced_results()
+        return self.start().finish()
+
+    def _traced_results(self) -> dict[str, Any]:
+        model = self._model
+        metrics = list(model.metrics_variables)
+        shared = []
+        if self._average_non_trainable:
+            shared = [
+                v for v in model.non_trainable_variables if "float" in str(v.dtype)
+            ]
+        variables = (*metrics, *shared)
+        tensors = [self._storage(v) for v in variables]
         with torch.no_grad():
-            # This process' own values: kept to be put back after the results.
-            self._local = torch.cat(
+            local = torch.cat(
                 [tensor.detach().reshape(-1).to(torch.float64) for tensor in tensors]
             )
-            self._flat = self._local.clone()
-        start = start_sum
-        if sum_in_backward is not None and all(
-            tensor.dtype in _RIDES_EXACTLY for tensor in tensors
-        ):
-            # No collective of its own: it rides with the gradients.
-            start = sum_in_backward
-        self._wait = start(self._flat)
+            flat = local.clone()
+            self._start_sum(flat)()
+            sizes = [tensor.numel() for tensor in tensors]
+            for index, (variable, tensor, total) in enumerate(
+                zip(variables, tensors, flat.split(sizes), strict=True)
+            ):
+                aggregation = variable.aggregation if index < len(metrics) else "mean"
+                if aggregation == "mean":
+                    total = total / self._world_size
+                if aggregation in ("sum", "mean"):
+                    tensor.copy_(total.view(tensor.shape))
+        results = keras.tree.map_structure(
+            _detached_copy, type(model).get_metrics_result(model)
+        )
+        with torch.no_grad():
+            for variable, tensor, own in zip(
+                metrics, tensors, local.split(sizes), strict=False
+            ):
+                if variable.aggregation in ("sum", "mean"):
+                    tensor.copy_(own.view(tensor.shape))
+        return results
+
+    def start(self) -> PendingSum:
+        """Start summing the states as they are now (they must not change
+        until `finish`)."""
+        layout = self._current_layout()
+        with torch.no_grad():
+            if layout.tensors:
+                torch._foreach_copy_(layout.local_views, layout.tensors)
+            layout.flat.copy_(layout.local)
+        return PendingSum(self._model, layout, self._start_sum(layout.flat))
+
+
+class PendingSum:
+    """A started sum of the states; `finish()` gives the global results."""
+
+    def __init__(self, model: Any, layout: _Layout, wait: Callable[[], None]):
+        self._model = model
+        self._layout = layout
+        self._wait = wait
 
     def finish(self) -> dict[str, Any]:
         self._wait()
-        count = len(self._metrics)
-        sums = self._flat.split(self._sizes)
+        layout = self._layout
         with torch.no_grad():
-            for variable, total in zip(self._shared, sums[count:], strict=True):
-                self._put(variable, total / self._world_size)
-            for variable, total in zip(self._metrics, sums[:count], strict=True):
-                if variable.aggregation == "mean":
-                    total = total / self._world_size
-                if variable.aggregation in ("sum", "mean"):
-                    self._put(variable, total)
+            layout.flat.div_(layout.divisor)
+            if layout.put:
+                torch._foreach_copy_(layout.put, layout.put_from)
         results = keras.tree.map_structure(
             _detached_copy, type(self._model).get_metrics_result(self._model)
         )
         with torch.no_grad():
-            own = self._local.split(self._sizes)
-            for variable, value in zip(self._metrics, own[:count], strict=True):
-                self._put(variable, value)
+            if layout.restore:
+                # Each process goes on from its own values.
+                torch._foreach_copy_(layout.restore, layout.restore_from)
         return results
-
-    def _put(self, variable: Any, value: torch.Tensor) -> None:
-        storage = self._storage(variable)
-        storage.copy_(value.view(storage.shape))
 
 
 def _detached_copy(value: Any) -> Any:

@@ -17,7 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 
+
+# Eager even inside a compiled step: it walks the loss' autograd graph, which
+# TorchDynamo cannot trace. It runs on a model's first step only.
+@torch.compiler.disable
 def missed_by(loss: Any, trainable: list[Any]) -> list[Any]:
     """The Keras variables of `trainable` whose torch parameters `loss`'s
     autograd graph does not reach."""

@@ -1,0 +1,63 @@
+"""keras_dist's PyTorch step under `torch.compile` (`jit_compile=True`) and
+DDP: 2 real gloo processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.multiprocess import run_job
+
+pytestmark = pytest.mark.backend("torch")
+
+# The one place keras_dist's own frames may break a steady-state compiled
+# step: its call of `Tensor.backward()`, which TorchDynamo does not trace
+# (plain Keras' compiled step breaks there too). The other breaks are in
+# torch's and Keras' code: DDP's forward (its reducer's bookkeeping, and the
+# frame that hands the module to dynamo's DDPOptimizer, which splits the
+# module's graph at the gradient buckets), and Keras' SGD (a data-dependent
+# branch on the momentum).
+KERAS_DIST_BREAK = "Unsupported Tensor.backward() call"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_job(
+        "torch_compile_worker.py",
+        [],
+        processes=2,
+        env={"KERAS_BACKEND": "torch"},
+        output_dir=tmp_path_factory.mktemp("torch_compile"),
+        timeout=600.0,
+    )
+
+
+def test_compiled_step_trains_as_the_eager_one(results):
+    """12 SGD steps: the compiled step's weights equal the eager step's, and
+    every process holds the same weights and logs."""
+    for result in results:
+        assert result["processes"] == 2
+        for compiled, eager in zip(result["compiled"], result["eager"], strict=True):
+            np.testing.assert_allclose(compiled, eager, rtol=0, atol=1e-5)
+        for key, values in result["eager_logs"].items():
+            np.testing.assert_allclose(
+                result["compiled_logs"][key], values, rtol=1e-5, atol=1e-6
+            )
+    assert results[0]["compiled"] == results[1]["compiled"]
+    assert results[0]["compiled_logs"] == results[1]["compiled_logs"]
+
+
+def test_compiled_step_breaks_in_keras_dist_only_at_backward(results):
+    """No break is left unresumed (a frame run eagerly), and a steady-state
+    step breaks in keras_dist's frames only at backward."""
+    for result in results:
+        assert result["not_resumed"] == 0
+        report = result["explain"]
+        assert report is not None
+        for found in report["breaks"]:
+            innermost = found["frames"][-1] if found["frames"] else ""
+            if "/keras_dist/" in innermost:
+                assert found["reason"] == KERAS_DIST_BREAK, found
+                assert innermost.split(":")[0].endswith(
+                    "keras_dist/backends/torch/keras_internals.py"
+                ), found
