@@ -32,6 +32,8 @@ import time
 import pytest
 
 from keras_dist.cluster import find_free_port, launcher
+from keras_dist.cluster.addresses import split_address
+from keras_dist.faults.own_failure import is_own_failure, raised_in_own_code
 from tests.conftest import BACKEND
 from tests.multiprocess import log_of, wait_then_clean_up
 from tests.test_launcher import LAUNCHER_FILE, is_alive, wait_until
@@ -233,6 +235,32 @@ def test_an_exception_on_one_rank_ends_the_job_naming_it(job, rank):
     started.assert_nothing_left()
 
 
+def test_two_ranks_raising_in_their_own_code_are_two_failures(job):
+    # Both ranks raise in their own callback at the same batch: neither
+    # exception is a consequence of the other, whichever rank ends first.
+    started = job("raise", "0,1")
+
+    code, _ = started.wait_for_the_end()
+
+    log = started.log()
+    assert code == 1, log[-6000:]
+    summary = re.fullmatch(
+        "keras-dist: rank (?P<first>[01]) failed: ValueError: rank (?P=first) "
+        "raised in a callback at batch 0; rank (?P<second>[01]) also failed, on "
+        "its own: ValueError: rank (?P=second) raised in a callback at batch 0; "
+        "stopped the other [01] process\\(es\\)",
+        log.splitlines()[-1],
+    )
+    assert summary and summary["first"] != summary["second"], log[-6000:]
+    # Both tracebacks are written as they are, under no consequence label.
+    assert "consequence of" not in log, log[-6000:]
+    for rank in (0, 1):
+        assert re.search(
+            f"^\\[rank {rank}\\] .*ValueError: rank {rank} raised", log, re.MULTILINE
+        ), log[-6000:]
+    started.assert_nothing_left()
+
+
 def test_kill_9_of_a_rank_at_a_random_moment_ends_the_job(job):
     started = job("train")
     started.wait_until_training()
@@ -377,10 +405,10 @@ DIRECTORY = os.environ["KERAS_DIST_JOB_DIR"]
 def report_path(rank):
     return os.path.join(DIRECTORY, f"rank-{rank}.error.json")
 
-def report(message):
+def report(message, **fields):
     with open(report_path(RANK) + ".tmp", "w") as file:
         json.dump({"rank": RANK, "type": "ValueError", "message": message,
-                   "traceback": "", "timestamp": time.time()}, file)
+                   "traceback": "", "timestamp": time.time(), **fields}, file)
     os.replace(report_path(RANK) + ".tmp", report_path(RANK))
 
 def wait_for_report(rank):
@@ -418,6 +446,33 @@ def test_the_first_rank_to_fail_is_named_with_its_exception(tmp_path):
         "keras-dist: rank 1 failed: ValueError: the first failure: the root cause; "
         "rank 0 failed after it, as a consequence; stopped the other 0 process(es)"
     )
+
+
+def test_ranks_that_failed_on_their_own_are_each_named(tmp_path):
+    # Rank 1 raises first; rank 0 raises after it, but on its own (the
+    # `on_its_own` of lifecycle's report): a failure, not a consequence.
+    exit_code, err = _launch_stand_ins(
+        tmp_path,
+        """
+        if RANK == 1:
+            report("the first failure", on_its_own=True)
+            sys.exit(1)
+        wait_for_report(1)
+        time.sleep(0.2)
+        print("ValueError: its own failure", file=sys.stderr)
+        report("its own failure", on_its_own=True)
+        sys.exit(1)
+        """,
+    )
+
+    assert exit_code == 1
+    # Its output is not labelled a consequence, and the summary names both.
+    assert err.splitlines() == [
+        "[rank 0] ValueError: its own failure",
+        "keras-dist: rank 1 failed: ValueError: the first failure; rank 0 also "
+        "failed, on its own: ValueError: its own failure; stopped the other 0 "
+        "process(es)",
+    ]
 
 
 def test_an_exception_is_not_reported_as_the_abort_it_caused(tmp_path):
@@ -493,6 +548,11 @@ unfinished.write_text("half a model")
 with lifecycle.removed_if_stopped(str(unfinished)):
     if sys.argv[2] == "raise":
         raise ValueError("bad labels\\nsecond line")
+    if sys.argv[2] == "raise-in-runtime":
+        # Raised inside the job's runtime (keras_dist), as a failed
+        # collective's error is.
+        from keras_dist.cluster.addresses import split_address
+        split_address("no port", name="coordinator")
     if sys.argv[2].startswith("announced"):
         # A watchdog found the job hung and will end this rank with 124;
         # meanwhile a peer left and the collective here fails.
@@ -597,6 +657,8 @@ def test_an_uncaught_exception_is_reported_and_ends_the_rank(tmp_path):
     assert report["traceback"].startswith("Traceback (most recent call last)")
     assert report["traceback"].endswith("ValueError: bad labels\nsecond line\n")
     assert abs(report["timestamp"] - time.time()) < 60
+    # No other rank known (no pid files), raised in the script itself.
+    assert report["on_its_own"] is True
     torchelastic = json.loads((tmp_path / "torchelastic.json").read_text())
     assert torchelastic["message"]["message"] == "ValueError: bad labels\nsecond line"
     assert "Traceback" in torchelastic["message"]["extraInfo"]["py_callstack"]
@@ -604,6 +666,34 @@ def test_an_uncaught_exception_is_reported_and_ends_the_rank(tmp_path):
     # removing it was that block's owner's business (saving.py's `finally`).
     _assert_cleaned_up(state, unfinished_removed=False)
     assert os.listdir(job) == ["rank-1.error.json"]  # its TMPDIR is gone
+
+
+@pytest.mark.parametrize("peer", ["running", "ended"])
+def test_a_runtime_error_is_a_failure_of_its_own_while_no_peer_has_ended(
+    tmp_path, peer
+):
+    """An exception from inside the runtime may come from a peer's end (a
+    collective that failed): the rank reports it as its own failure only when
+    every other rank it knows of still ran."""
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait(timeout=60)
+    job = tmp_path / "job"
+    (job / "tmp-1").mkdir(parents=True)
+    # As the launcher records its ranks: rank 0 runs (this process) or ended.
+    pid = os.getpid() if peer == "running" else finished.pid
+    (job / "rank-0.pid").write_text(str(pid))
+    process, _ = _lone_rank(
+        tmp_path,
+        "raise-in-runtime",
+        KERAS_DIST_JOB_DIR=str(job),
+        TMPDIR=str(job / "tmp-1"),
+    )
+    _, err = process.communicate(timeout=60)
+
+    assert process.returncode == 1, err
+    report = json.loads((job / "rank-1.error.json").read_text())
+    assert report["type"] == "ValueError", report
+    assert report["on_its_own"] is (peer == "running")
 
 
 @pytest.mark.parametrize("mode", ["announced-then-ended", "announced-only"])
@@ -623,3 +713,54 @@ def test_an_exception_after_an_announced_end_is_a_consequence(tmp_path, mode):
     assert "Traceback" not in err
     assert os.listdir(job) == []  # no error report; its TMPDIR is gone
     _assert_cleaned_up(state, unfinished_removed=False)
+
+
+# -- where an exception was raised: the program's own code or the runtime ------
+def _caught(function) -> BaseException:
+    try:
+        function()
+    except BaseException as error:
+        return error
+    raise AssertionError("nothing raised")
+
+
+def _raise_value_error() -> None:
+    raise ValueError("bad labels")
+
+
+def _raise_in_keras_dist() -> None:
+    # A real error from inside the runtime (keras_dist drives the backends and
+    # checks on its peers), raised by its own frame.
+    split_address("no port", name="coordinator")
+
+
+def test_an_exception_raised_in_the_programs_own_code_is_its_own():
+    assert raised_in_own_code(_caught(_raise_value_error)) is True
+
+
+def test_an_exception_from_the_runtime_or_chained_to_one_is_not():
+    def reraise(*, suppress: bool) -> None:
+        try:
+            _raise_in_keras_dist()
+        except ValueError:
+            if suppress:
+                raise ValueError("the peer is gone") from None
+            raise ValueError("the peer is gone")  # noqa: B904
+
+    def cause() -> None:
+        raise ValueError("the peer is gone") from _caught(_raise_in_keras_dist)
+
+    assert raised_in_own_code(_caught(_raise_in_keras_dist)) is False
+    # Code that reacts to a runtime error by raising its own still reacts.
+    assert raised_in_own_code(_caught(lambda: reraise(suppress=False))) is False
+    assert raised_in_own_code(_caught(lambda: reraise(suppress=True))) is False
+    assert raised_in_own_code(_caught(cause)) is False
+
+
+def test_a_runtime_error_is_its_own_failure_only_if_no_peer_had_ended():
+    runtime_error = _caught(_raise_in_keras_dist)
+    assert is_own_failure(runtime_error, peers_ended=[]) is True
+    assert is_own_failure(runtime_error, peers_ended=[0]) is False
+    assert is_own_failure(runtime_error, peers_ended=None) is False  # unknown
+    # Raised in the program's own code: its own, whatever ended before.
+    assert is_own_failure(_caught(_raise_value_error), peers_ended=[0]) is True

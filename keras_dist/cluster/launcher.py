@@ -35,9 +35,12 @@ from keras_dist.cluster.job_dir import (
     LAUNCHER_PID_VARIABLE,
     PREEMPTED_EXIT_CODE,
     describe_error_report,
+    describe_exception,
     job_paths,
-    read_error_report,
+    read_error_reports,
     remove_stale_job_directories,
+    reported_own_failure,
+    write_rank_pid,
 )
 from keras_dist.cluster.launch_config import (
     DEFAULT_GRACE_PERIOD_SECONDS,
@@ -182,7 +185,11 @@ class Launcher:
     failure on (a torch rank that lost its peer prints gloo's errors, which
     blame the user's code) is held and written before it, under a line that
     labels it a consequence, and the summary says which ranks failed after the
-    root cause (`keras_dist.cluster.rank_output`).
+    root cause (`keras_dist.cluster.rank_output`). A rank that says it failed
+    on its own (its exception raised in the program's own code, or before any
+    other rank had ended: `keras_dist.faults.own_failure`) is no consequence:
+    the summary names it and its exception too, and its output is not
+    labelled.
 
     Args:
         config: what to start.
@@ -333,7 +340,7 @@ class Launcher:
             # ranks started may outlive the attempt.
             self._stop(ranks)
             # Nothing a rank printed is lost, whatever ended the attempt.
-            self._output.release(None)
+            self._output.release()
             shutil.rmtree(self._job_directory, ignore_errors=True)
 
     def _start(self, local_rank: int, coordinator: str, attempt: int) -> _RankProcess:
@@ -359,6 +366,8 @@ class Launcher:
             # Ranks end with the launcher, even when it is SIGKILLed.
             preexec_fn=set_parent_death_signal if _PRCTL is not None else None,
         )
+        # The other ranks check whether it still runs when they fail.
+        write_rank_pid(self._job_directory, rank, process.pid)
         readers = [
             threading.Thread(
                 target=self._output.forward,
@@ -411,13 +420,24 @@ class Launcher:
             failed = [r for r in ranks if r.exited_at and r.process.returncode != 0]
             if failed:
                 self._wait_for_others(ranks)
-                root, exit_code, failure = self._root_cause(ranks)
+                reports = read_error_reports(
+                    self._job_directory, [r.rank for r in ranks]
+                )
+                root, exit_code, failure = self._root_cause(ranks, reports)
                 self._lost_rank = root
-                # The ranks that failed on their own after the root cause.
+                # Failures in their own right besides the root cause, as the
+                # ranks tell (`keras_dist.faults.own_failure`).
+                own = {
+                    rank: describe_exception(report)
+                    for rank, report in reports.items()
+                    if rank != root and reported_own_failure(report)
+                }
+                # The ranks that failed after the root cause, its consequence.
                 after = [
                     r.rank
                     for r in ranks
                     if r.rank != root
+                    and r.rank not in own
                     and r.exited_at
                     and r.process.returncode not in (0, PREEMPTED_EXIT_CODE)
                 ]
@@ -425,7 +445,9 @@ class Launcher:
                 # The others' output since the failure, labelled, then the
                 # summary: the root cause is the last thing a user reads.
                 self._message(
-                    self._output.release_after_failure(root, failure, after, stopped)
+                    self._output.release_after_failure(
+                        root, failure, after, stopped, own=own
+                    )
                 )
                 return exit_code, failure
             hang = self._check_hang(ranks)
@@ -468,7 +490,9 @@ class Launcher:
             self._wake.wait(_POLL_SECONDS)
             self._wake.clear()
 
-    def _root_cause(self, ranks: list[_RankProcess]) -> tuple[int, int, str]:
+    def _root_cause(
+        self, ranks: list[_RankProcess], reports: dict[int, dict]
+    ) -> tuple[int, int, str]:
         """`(rank, exit code, message)` of the first rank that failed, named by its
         error report (its uncaught exception) when it wrote one, else by its
         exit code or signal.
@@ -485,11 +509,8 @@ class Launcher:
         causes = []
         for rank in ranks:
             returncode = rank.process.returncode if rank.exited_at else None
-            report = read_error_report(
-                job_paths(self._job_directory, rank.rank).error_file
-            )
+            report = reports.get(rank.rank)
             if report is not None:
-                report["rank"] = rank.rank
                 ended = rank.exited_at or report["timestamp"]
                 code = _exit_code(returncode) if returncode else 1
                 causes.append((ended, rank.rank, code, describe_error_report(report)))

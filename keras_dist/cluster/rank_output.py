@@ -10,7 +10,10 @@ instance of 'gloo::EnforceNotMet' ... Is there a distributed collective
 mismatch in your code?", blaming the user's code for the failure of another
 process. So from the first failure on, lines are held; `release` prints them
 after the launcher knows the root cause, under a line that labels the other
-ranks' output as its consequence, and the launcher's summary comes last.
+ranks' output as its consequence, and the launcher's summary comes last. A
+rank that failed on its own (see `keras_dist.faults.own_failure`) is no
+consequence: its lines are not labelled, and the summary names it and its
+exception beside the first.
 
 Lines are written a moment after they are read (`SETTLE_SECONDS`): a rank's
 reaction to a lost peer can reach the launcher before the launcher sees the
@@ -23,6 +26,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Collection
 from typing import BinaryIO, TextIO
 
 #: How long a line waits before it is written (see the module docstring).
@@ -104,10 +108,13 @@ class RankOutput:
                 self._failed_at = failed_at - SETTLE_SECONDS
                 self._lock.notify()
 
-    def release(self, root_rank: int | None, header: str | None = None) -> list[str]:
-        """Stop holding and write what was held: the lines of `root_rank` (its
-        own, read late) as they are, then, if the other ranks printed
-        anything, `keras-dist: header` and their lines.
+    def release(
+        self, causes: Collection[int] = (), header: str | None = None
+    ) -> list[str]:
+        """Stop holding and write what was held: the lines of the ranks in
+        `causes` (those that failed in their own right, read late) as they
+        are, then, if the other ranks printed anything, `keras-dist: header`
+        and their lines.
 
         Returns:
             The phrases of `COLLECTIVE_ERRORS` the other ranks' held lines
@@ -116,8 +123,8 @@ class RankOutput:
         with self._lock:
             self._write_pending(until=None)
             held, self._held, self._failed_at = self._held, [], None
-            own = [entry for entry in held if entry[0] == root_rank]
-            others = [entry for entry in held if entry[0] != root_rank]
+            own = [entry for entry in held if entry[0] in causes]
+            others = [entry for entry in held if entry[0] not in causes]
             for _, stream, line in own:
                 self._emit(stream, line)
             if others and header is not None:
@@ -128,47 +135,72 @@ class RankOutput:
         return [phrase for phrase in COLLECTIVE_ERRORS if phrase in text]
 
     def release_after_failure(
-        self, root: int, failure: str, failed_after: list[int], stopped: int
+        self,
+        root: int,
+        failure: str,
+        failed_after: list[int],
+        stopped: int,
+        *,
+        own: dict[int, str] | None = None,
     ) -> str:
         """Write what was held since `root` failed, the other ranks' lines
         under a line that labels them its consequence, and return the
         launcher's summary (its last line).
 
+        Two ranks that each fail on their own (the same bad batch on both)
+        are two failures, not one failure and its consequence: the ranks in
+        `own` are named with their exceptions beside the root cause, and their
+        lines are written as the root's are, unlabelled.
+
         Args:
-            root: the rank whose failure is the root cause.
+            root: the rank whose failure came first.
             failure: what happened to it, e.g. "rank 1 was killed by signal
                 SIGKILL".
-            failed_after: the other ranks that failed on their own after it.
+            failed_after: the other ranks that failed after it, as a
+                consequence.
             stopped: how many ranks the launcher stopped.
+            own: the other ranks that failed on their own (see
+                `keras_dist.faults.own_failure`), with their exception, e.g.
+                `{0: "ValueError: bad labels"}`.
         """
+        own = own or {}
+        causes = sorted({root, *own})
         with self._lock:
             self._write_pending(until=None)
-            printed = sorted({rank for rank, _, _ in self._held if rank != root})
+            printed = sorted({rank for rank, _, _ in self._held if rank not in causes})
         header = None
         if printed:
+            which = "that failure" if len(causes) == 1 else "those failures"
             header = (
-                f"{_ranks(printed)} printed what follows after rank {root} failed: "
-                "a consequence of that failure, which the last line names"
+                f"{_ranks(printed)} printed what follows after {_ranks(causes)} "
+                f"failed: a consequence of {which}, which the last line names"
             )
-        quoted = self.release(root, header)
+        quoted = self.release(causes, header)
         end = f"stopped the other {stopped} process(es)"
+        summary = failure
+        for rank, cause in sorted(own.items()):
+            summary += f"; rank {rank} also failed, on its own: {cause}"
         if not (failed_after or printed):
-            return f"{failure}; {end}"
-        summary = f"{failure}: the root cause"
+            return f"{summary}; {end}"
+        if not own:
+            summary += ": the root cause"
         if failed_after:
-            summary += f"; {_ranks(failed_after)} failed after it, as a consequence"
+            after = "it" if len(causes) == 1 else "them"
+            summary += (
+                f"; {_ranks(failed_after)} failed after {after}, as a consequence"
+            )
         if quoted:
             phrases = ", ".join(f'"{phrase}"' for phrase in quoted)
             summary += (
-                f" (the collective errors above, {phrases}, come from losing rank "
-                f"{root} in the middle of a collective, not from a mismatch or a "
-                "bug in your code)"
+                f" (the collective errors above, {phrases}, come from losing "
+                f"{_ranks(causes)} in the middle of a collective, not from a "
+                "mismatch or a bug in your code)"
             )
         return f"{summary}; {end}"
 
     def close(self) -> None:
         """Release anything held (unlabelled) and stop the writer thread."""
-        self.release(None)
+        self.release()
         with self._lock:
             self._closed = True
             self._lock.notify()

@@ -59,6 +59,7 @@ from keras_dist.cluster.job_dir import (
     LAUNCHER_PID_VARIABLE,
     job_paths,
 )
+from keras_dist.faults.own_failure import ended_peers, is_own_failure
 
 TORCHELASTIC_ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -71,6 +72,8 @@ DEFAULT_PREEMPTION_GRACE_SECONDS = 120.0
 # How often the watcher checks that the launcher still runs (the parent-death
 # signal normally tells it at once; this is the portable fallback).
 _PARENT_CHECK_SECONDS = 0.5
+# The kernel's flag of a process being ended (include/linux/sched.h).
+_PF_EXITING = 0x4
 # A rank's own temporary directory: keras_dist_rank<rank>_<pid>_<random>.
 _OWN_PREFIX = "keras_dist_rank"
 
@@ -322,6 +325,8 @@ def error_report(
     trace: TracebackType | None,
 ) -> dict[str, object]:
     """What `keras-dist launch` reads from a rank's `error_file` (JSON)."""
+    # First: whether other ranks had ended when the exception came here.
+    peers = ended_peers(_installed.get("job_directory"), rank, _is_running)
     return {
         "rank": rank,
         "pid": os.getpid(),
@@ -332,6 +337,8 @@ def error_report(
         ),
         # Wall clock: the launcher compares the ranks' reports by it.
         "timestamp": time.time(),
+        # Not another rank's failure's consequence (`own_failure`).
+        "on_its_own": is_own_failure(exception, peers),
     }
 
 
@@ -405,17 +412,23 @@ def is_alive(pid: int) -> bool:
 
 
 def _is_running(pid: int) -> bool:
-    """Alive and not exiting: a process whose main thread ended (a zombie) is
-    on its way out (Linux tells; elsewhere, alive is running)."""
+    """Alive and not exiting: a process whose main thread ended (a zombie) or
+    that the kernel is ending is on its way out (Linux tells; elsewhere, alive
+    is running)."""
     try:
         with open(f"/proc/{pid}/stat") as file:
-            state = file.read().rpartition(")")[2].split()[0]
+            # State, ppid, pgrp, session, tty_nr, tpgid, flags, ...
+            fields = file.read().rpartition(")")[2].split()
+        state, flags = fields[0], int(fields[6])
     except FileNotFoundError:
         # No such process; or no /proc (macOS): then ask the kernel.
         return not os.path.isdir("/proc/self") and is_alive(pid)
-    except (OSError, IndexError):
+    except (OSError, IndexError, ValueError):
         return is_alive(pid)
-    return state not in ("Z", "X")
+    # PF_EXITING is set first thing as a process ends, before it closes its
+    # files: its state stays "R" for milliseconds after its peers saw its
+    # sockets close (measured under load with SIGKILL and `os._exit`).
+    return state not in ("Z", "X") and not flags & _PF_EXITING
 
 
 def _use_own_temporary_directory(rank: int) -> str:

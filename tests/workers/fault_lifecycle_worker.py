@@ -1,14 +1,15 @@
 """One rank of a 2-process job under `keras-dist launch` that trains until a
 fault ends it (tests/test_fault_lifecycle.py).
 
-Usage: python fault_lifecycle_worker.py STATE_DIR MODE [RAISING_RANK]
+Usage: python fault_lifecycle_worker.py STATE_DIR MODE [RAISING_RANKS]
 
 MODE `train` trains (with a ModelCheckpoint) until something outside stops the
-job; MODE `raise` has RAISING_RANK raise a ValueError from a callback in the
-second epoch. Each rank records in STATE_DIR, each file written atomically:
-`pid-<rank>` and `pid-<rank>-grandchild` (a sleeping process it started),
-`ready-<rank>` once it trains, `fault` (the time it raised). It also leaves a
-directory in the temporary directory, as Keras does, for the job to remove.
+job; MODE `raise` has each of RAISING_RANKS (`1`, or `0,1`) raise a ValueError
+from a callback in the second epoch. Each rank records in STATE_DIR, each file
+written atomically: `pid-<rank>` and `pid-<rank>-grandchild` (a sleeping
+process it started), `ready-<rank>` once it trains, `fault` (the time it
+raised). It also leaves a directory in the temporary directory, as Keras does,
+for the job to remove.
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ import numpy as np  # noqa: E402
 
 STATE = pathlib.Path(sys.argv[1])
 MODE = sys.argv[2]
-RAISING_RANK = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+RAISING_RANKS = (
+    {int(rank) for rank in sys.argv[3].split(",")} if len(sys.argv) > 3 else set()
+)
 RANK = kd.process_id()
 
 
 def record(name: str, value: object) -> None:
-    temporary = STATE / f".{name}.tmp"
+    # A name of its own: two ranks may record the same value at once.
+    temporary = STATE / f".{name}.{RANK}.tmp"
     temporary.write_text(str(value))
     temporary.rename(STATE / name)
 
@@ -50,7 +54,7 @@ class Fault(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.epoch == 0 and batch == 2:
             record(f"ready-{RANK}", time.time())
-        if MODE == "raise" and RANK == RAISING_RANK and self.epoch == 1:
+        if MODE == "raise" and RANK in RAISING_RANKS and self.epoch == 1:
             record("fault", time.time())
             raise ValueError(f"rank {RANK} raised in a callback at batch {batch}")
         # Fewer steps per second: two ranks share the test machine's cores.
