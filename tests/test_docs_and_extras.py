@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 
 import keras
 import numpy as np
@@ -139,6 +140,52 @@ def test_the_cpu_torch_command_brings_the_pinned_torch_from_pytorchs_cpu_index()
     from packaging.specifiers import SpecifierSet
 
     assert "2.13.0+cpu" in SpecifierSet(pinned[0].removeprefix("torch"))
+
+
+# A shell line that runs the venv's programs by their bare names, as the docs
+# write them (`python examples/...`, `KERAS_BACKEND=jax keras-dist devices`).
+BARE_COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python|keras-dist|pytest) ", re.M)
+ACTIVATE = "source .venv/bin/activate"
+
+
+def _shell_blocks(path: pathlib.Path) -> list[str]:
+    return re.findall(
+        r"^```(?:bash|sh|console)\n(.*?)^```", path.read_text(), re.M | re.S
+    )
+
+
+def test_the_docs_bare_commands_come_after_activating_the_readmes_venv():
+    # The README's set-up makes `.venv` and calls `.venv/bin/...` without
+    # activating it; the docs then write `python ...` and `keras-dist ...`,
+    # which are not the venv's until it is activated: where the commands
+    # first appear, the docs say how, and so does the README.
+    blocks = _shell_blocks(REPO / "docs" / "getting-started.md")
+    first_bare = next(i for i, block in enumerate(blocks) if BARE_COMMAND.search(block))
+    assert any(ACTIVATE in block for block in blocks[:first_bare]), blocks[first_bare]
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert ACTIVATE in readme
+    assert ACTIVATE in " ".join((REPO / "docs" / "index.md").read_text().split())
+
+
+def test_activating_the_venv_gives_the_docs_commands():
+    # What the note promises: after it, `python` and `keras-dist` are the
+    # venv's (where this suite runs from the README's venv).
+    venv = REPO / ".venv"
+    if not (venv / "bin" / "activate").is_file():
+        pytest.skip("no .venv here: the suite does not run from the README's set-up")
+    found = subprocess.run(
+        ["bash", "-c", f"{ACTIVATE} && command -v python && command -v keras-dist"],
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == [
+        str(venv / "bin" / "python"),
+        str(venv / "bin" / "keras-dist"),
+    ]
 
 
 def test_keras_hub_imports_with_what_the_test_extra_brings():
