@@ -6,7 +6,11 @@ from typing import Any
 
 import keras
 
-from keras_dist.keras_compat.layers import own_variables, seed_generators
+from keras_dist.keras_compat.layers import (
+    own_variables,
+    seed_generators,
+    unmerged_lora_variables,
+)
 from keras_dist.keras_compat.saving import (
     container_item_name,
     is_saveable,
@@ -36,6 +40,7 @@ def saveable_variables(model: Any) -> dict[str, Any]:
     visited: set[int] = set()
 
     def own(saveable: Any, path: str) -> None:
+        factors: dict[str, Any] = {}
         if isinstance(saveable, keras.optimizers.Optimizer):
             variables = list(saveable.variables)
         elif isinstance(saveable, keras.layers.Layer):
@@ -45,7 +50,9 @@ def saveable_variables(model: Any) -> dict[str, Any]:
             ):
                 recorded: dict[str, Any] = {}
                 saveable.save_own_variables(recorded)
-                variables = list(recorded.values())
+                variables, factors = unmerged_lora_variables(
+                    saveable, list(recorded.values())
+                )
                 if not all(isinstance(v, keras.Variable) for v in variables):
                     raise NotImplementedError(
                         f"Layer {saveable.name!r} ({type(saveable).__name__}) saves "
@@ -62,6 +69,8 @@ def saveable_variables(model: Any) -> dict[str, Any]:
             return
         for i, variable in enumerate(variables):
             found[_join(path, f"vars/{i}")] = variable
+        for name, variable in factors.items():  # LoRA's, by name: not in .weights.h5
+            found[_join(path, f"vars/{name}")] = variable
 
     def walk(saveable: Any, path: str) -> None:
         if id(saveable) in visited:

@@ -18,6 +18,37 @@ def own_variables(layer: Any) -> list[Any]:
     return layer._trainable_variables + layer._non_trainable_variables
 
 
+def unmerged_lora_variables(layer: Any, saved: list[Any]) -> tuple[list, dict]:
+    """A LoRA-enabled layer's variables as a checkpoint must keep them.
+
+    Keras' `save_own_variables` of a layer with `enable_lora` saves its kernel
+    (or embedding table) with `a @ b` merged in, a tensor, and not the two
+    factors, so training could not go on from it. Returns `saved` (what
+    `save_own_variables` recorded, in its order) with that merged tensor
+    replaced by the base variable (`_kernel`, `_embeddings`), and the LoRA
+    factors by name (`lora_kernel_a`, ...). Anything else: `saved` unchanged
+    and no factors.
+    """
+    if not getattr(layer, "lora_enabled", False):
+        return saved, {}
+    base = getattr(layer, "_kernel", None)
+    if base is None:
+        base = getattr(layer, "_embeddings", None)
+    merged = [
+        i for i, value in enumerate(saved) if not isinstance(value, keras.Variable)
+    ]
+    if not isinstance(base, keras.Variable) or len(merged) != 1:
+        return saved, {}
+    variables = list(saved)
+    variables[merged[0]] = base
+    factors = {
+        variable.name: variable
+        for variable in own_variables(layer)
+        if variable.name.startswith("lora_")
+    }
+    return variables, factors
+
+
 def own_non_trainable_variables(layer: Any) -> list[Any]:
     """The non-trainable variables `layer` itself created (moving statistics,
     say), not its sublayers'."""

@@ -39,7 +39,7 @@ from keras_dist.keras_compat.steps import install_cached_steps, remove_cached_st
 
 _NOT_YET = (
     "{what} is not implemented for the TensorFlow backend in keras_dist; "
-    "DataParallel works, and KERAS_BACKEND=jax has ModelParallel."
+    "DataParallel works, and KERAS_BACKEND=jax and torch have ModelParallel."
 )
 
 
