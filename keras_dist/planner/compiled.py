@@ -30,6 +30,7 @@ import keras
 
 from keras_dist.backends import get_adapter
 from keras_dist.common import accelerators
+from keras_dist.distribution.mixed_precision import compute_in
 from keras_dist.distribution.remat import rematerialize
 from keras_dist.keras_compat.abstract_models import (
     abstract_variables,
@@ -236,20 +237,28 @@ def compiled_plan(
         with abstract_variables():
             build_for_training(model, (x, y))
     adapter = get_adapter()
-    undo = None
+    # What a run under `made` gives the model's layers (`training.session`):
+    # recomputation, and the compute dtype of a mixed-precision policy.
+    undo = []
     if getattr(made, "remat", None) is not None:
-        undo = rematerialize(
-            model,
-            made.remat,
-            warn=False,
-            recomputes_state=getattr(adapter, "recomputes_layer_state", False),
+        undo.append(
+            rematerialize(
+                model,
+                made.remat,
+                warn=False,
+                recomputes_state=getattr(adapter, "recomputes_layer_state", False),
+            )
         )
+    if getattr(made, "mixed_precision", None) is not None:
+        undo.append(compute_in(model, made.mixed_precision, warn=False))
     try:
         raw = adapter.compile_steps(model, made, (x, y), kinds)
+        compute_dtype = keras.backend.standardize_dtype(
+            model.dtype_policy.compute_dtype
+        )
     finally:
-        if undo is not None:
-            undo()
-    compute_dtype = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
+        for step in reversed(undo):
+            step()
     memory = device_memory or topology_mesh.memory()
     kind = accelerators.kind_of(topology_mesh.device_kind)
     steps = {
