@@ -12,7 +12,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist import layouts
-from tests.multiprocess import WORKERS, run_job
+from tests.multiprocess import WORKERS, log_of, run_job
 
 sys.path.insert(0, str(WORKERS))
 import layout_models  # noqa: E402
@@ -322,3 +322,12 @@ def test_torch_tensor_parallel_and_llama_train_like_one_process(tmp_path):
             [16, 16],
             ["S(1)", "S(0)"],
         ]
+    # Values Partial along both axes (that kernel's matmul) are summed in one
+    # all-reduce over the mesh's processes, not one per axis, which DTensor
+    # warned about on every rank: "While redistributing from (Partial(sum),
+    # Partial(sum)) to (Replicate(), Replicate()), 2 sequential all_reduce
+    # operations will be performed. This is suboptimal: ...".
+    for rank in (0, 1):
+        log = log_of(tmp_path, rank)
+        assert "While redistributing" not in log, log
+        assert "operations will be performed" not in log, log

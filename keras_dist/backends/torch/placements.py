@@ -5,6 +5,7 @@ the job's ranks."""
 from __future__ import annotations
 
 import atexit
+import itertools
 import math
 import re
 from collections.abc import Sequence
@@ -115,12 +116,36 @@ def torch_mesh(device_mesh: Any) -> TorchDeviceMesh:
     ranks = mesh_ranks(device_mesh, world_size)
     key = (ranks.shape, tuple(device_mesh.axis_names), tuple(ranks.reshape(-1)))
     if key not in _meshes:
-        _meshes[key] = TorchDeviceMesh(
+        mesh = TorchDeviceMesh(
             device_type(),
             torch.as_tensor(ranks),
             mesh_dim_names=tuple(device_mesh.axis_names),
         )
+        _flatten_axes(mesh)
+        _meshes[key] = mesh
     return _meshes[key]
+
+
+def _flatten_axes(mesh: TorchDeviceMesh) -> None:
+    """Give DTensor a flattened mesh (a process group) for every set of two or
+    more axes of `mesh` (collective, like the mesh itself).
+
+    A value that is `Partial` along both axes of a ("batch", "model") mesh (a
+    matmul whose kernel KerasHub splits along both, `("model", "batch")`) is
+    made whole by summing over both. Without a flattened mesh DTensor does that
+    in one all-reduce per axis, and warns on every rank ("While redistributing
+    from (Partial(sum), Partial(sum)) to (Replicate(), Replicate()), 2
+    sequential all_reduce operations will be performed"), even when one axis
+    has a single process; with one, it does one all-reduce over both axes'
+    processes, which also sums in one order on every rank. The same holds for
+    all-gathers and reduce-scatters along several axes. torch before 2.5 has
+    neither the flattening nor the warning."""
+    names = mesh.mesh_dim_names
+    if names is None or not hasattr(mesh, "_flatten"):
+        return
+    for count in range(2, len(names) + 1):
+        for axes in itertools.combinations(names, count):
+            mesh[axes]._flatten()
 
 
 def placements(axes: Sequence[str | None], axis_names: Sequence[str]) -> tuple:
