@@ -122,14 +122,19 @@ class MetricSync:
         self._key: tuple[int, ...] | None = None
         self._layout: _Layout | None = None
 
-    def _current_layout(self) -> _Layout:
+    def _variables(self) -> tuple[list[Any], list[Any]]:
+        """The metric states, and the float non-trainable variables averaged
+        with them (`average_non_trainable`)."""
         model = self._model
-        metrics = list(model.metrics_variables)
         shared = []
         if self._average_non_trainable:
             shared = [
                 v for v in model.non_trainable_variables if "float" in str(v.dtype)
             ]
+        return list(model.metrics_variables), shared
+
+    def _current_layout(self) -> _Layout:
+        metrics, shared = self._variables()
         # Metrics built late (on their first update) or a new `compile()`
         # change the variables: the layout is made again.
         key = (len(metrics), *map(id, metrics), *map(id, shared))
@@ -149,12 +154,7 @@ class MetricSync:
 
     def _traced_results(self) -> dict[str, Any]:
         model = self._model
-        metrics = list(model.metrics_variables)
-        shared = []
-        if self._average_non_trainable:
-            shared = [
-                v for v in model.non_trainable_variables if "float" in str(v.dtype)
-            ]
+        metrics, shared = self._variables()
         variables = (*metrics, *shared)
         tensors = [self._storage(v) for v in variables]
         with torch.no_grad():
