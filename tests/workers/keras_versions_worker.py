@@ -36,9 +36,9 @@ class Trainer(kd.Trainer, keras.Model):
 
 class TorchCounts(keras.callbacks.Callback):
     """PyTorch: the DistributedDataParallel objects wrapping the model, the
-    gradient buckets its DDP all-reduces per step (through the comm hook
-    keras_dist registers, which all-reduces each through
-    `torch.distributed.all_reduce`), and the
+    gradient buckets each DDP made from now on all-reduces per step (a
+    communication hook doing what DDP's own reducer does, counting; it
+    all-reduces each bucket through `torch.distributed.all_reduce`), and the
     `torch.distributed.all_reduce` calls per step (those, and the metric
     states')."""
 
@@ -54,22 +54,23 @@ class TorchCounts(keras.callbacks.Callback):
         self.keras_ddp_model = "absent"
         self._calls = 0
         self._buckets = 0
-        # keras_dist's DDP has its own comm hook (metric sums ride in the
-        # gradient all-reduce): each bucket it reduces is counted through it.
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
         self._ddp = DistributedDataParallel
-        self._register = DistributedDataParallel.register_comm_hook
+        self._init = DistributedDataParallel.__init__
         counts = self
 
-        def register_comm_hook(ddp, state, hook):
+        def __init__(ddp, *args, **kwargs):
+            counts._init(ddp, *args, **kwargs)
+
             def counting_hook(state, bucket):
                 counts._buckets += 1
-                return hook(state, bucket)
+                return default_hooks.allreduce_hook(state, bucket)
 
-            return counts._register(ddp, state, counting_hook)
+            ddp.register_comm_hook(None, counting_hook)
 
-        DistributedDataParallel.register_comm_hook = register_comm_hook
+        DistributedDataParallel.__init__ = __init__
 
     def _wrappers(self) -> list:
         from torch.nn.parallel import DistributedDataParallel
@@ -105,7 +106,7 @@ class TorchCounts(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._distributed.all_reduce = self._all_reduce
-        self._ddp.register_comm_hook = self._register
+        self._ddp.__init__ = self._init
 
 
 class DuringTheRun(keras.callbacks.Callback):
