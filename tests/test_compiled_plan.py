@@ -273,7 +273,9 @@ def test_tpu_topology_plan_reads_xla_memory_flops_and_collectives():
     for result in (plain, split):
         assert result.compiled.device_kind == "TPU v5 lite"
         assert result.compiled.devices == 4
-        assert result.fits is True and result.compiled.memory == 16 * 2**30
+        # What JAX lets a program allocate on a v5e chip, not the data sheet's 16.
+        assert result.fits is True and result.compiled.memory == int(15.75 * 2**30)
+        assert any("15.75 GiB usable" in note for note in result.compiled.notes)
     weights_and_moments = 3 * 4 * _parameters()
     plain_train = plain.compiled.steps["train"]
     split_train = split.compiled.steps["train"]

@@ -31,6 +31,10 @@ class DeviceKind(NamedTuple):
             ports), or None.
         network_bandwidth: bytes per second one chip's share of its host's
             data-center network gives it (what crosses TPU slices), or None.
+        usable_bytes: what one program may allocate on the device, as the
+            engine reports it (JAX's `memory_stats()["bytes_limit"]`), where
+            it was read on such a device; None where only the data sheet's
+            `memory_bytes` is known. The runtime keeps the rest.
     """
 
     pattern: str
@@ -40,6 +44,7 @@ class DeviceKind(NamedTuple):
     memory_bandwidth: float | None = None
     interconnect_bandwidth: float | None = None
     network_bandwidth: float | None = None
+    usable_bytes: int | None = None
 
 
 _GIB = 2**30
@@ -72,6 +77,8 @@ _KINDS: tuple[DeviceKind, ...] = (
         819 * _GB,
         400 * _GB,
         6.4e12 / 8 / 256,
+        # `bytes_limit` on a v5e chip (JAX 0.10.2, libtpu 0.0.42): 15.75 GiB.
+        int(15.75 * _GIB),
     ),
     DeviceKind(
         r"^tpu v5p?$", 459e12, 459e12, 95 * _GIB, 2765 * _GB, 1200 * _GB, 50e9 / 8
@@ -93,13 +100,37 @@ def kind_of(name: str | None) -> DeviceKind | None:
 
 
 def memory_bytes(name: str | None) -> int | None:
-    """The memory of one device of kind `name` (the data sheet's), or None.
+    """What one program may allocate on a device of kind `name`: the engine's
+    own limit where keras_dist read it on such a device, else the data
+    sheet's memory; None for kinds not in the table.
 
-    >>> memory_bytes("TPU v5 lite") / 2**30
-    16.0
+    >>> memory_bytes("TPU v5 lite") / 2**30  # 16 GiB on the data sheet
+    15.75
+    >>> memory_bytes("TPU v4") / 2**30
+    32.0
     """
     kind = kind_of(name)
-    return None if kind is None else kind.memory_bytes
+    if kind is None:
+        return None
+    return kind.usable_bytes or kind.memory_bytes
+
+
+def memory_source(name: str | None) -> str | None:
+    """Where `memory_bytes(name)` comes from, in words, or None."""
+    kind = kind_of(name)
+    if kind is None or kind.memory_bytes is None:
+        return None
+    sheet = kind.memory_bytes / _GIB
+    if kind.usable_bytes:
+        return (
+            f"{kind.usable_bytes / _GIB:.2f} GiB usable, the limit the engine "
+            f"reports on such a chip ({sheet:g} GiB on the data sheet)"
+        )
+    return (
+        f"{sheet:g} GiB, the data sheet's: the engine keeps a little of it for "
+        "itself (on a TPU v5e chip 0.25 of 16 GiB), so a peak within about 2 % "
+        "of it may not fit"
+    )
 
 
 def peak_flops_per_device(device_kind: str | None, compute_dtype: str) -> float | None:

@@ -283,6 +283,14 @@ def compiled_plan(
             "The devices' memory is unknown: pass device_memory= to know whether "
             "it fits."
         )
+    elif device_memory is None and accelerators.memory_source(
+        topology_mesh.device_kind
+    ):
+        notes.append(
+            "Each device's memory: "
+            + accelerators.memory_source(topology_mesh.device_kind)
+            + "."
+        )
     return CompiledPlan(
         topology.name,
         topology_mesh.device_kind,
