@@ -404,7 +404,7 @@ def plan_on_topology(
         sequence_length=sequence_length,
         target_shape=target_shape,
         kinds=kinds,
-        device_memory=memory,
+        device_memory=device_memory,
     )
     result.made_distribution = made
     return result
