@@ -26,6 +26,14 @@ processes as the launcher starts (one CPU device each, gloo), taking turns:
   Keras' own per-step work on several processes, so that keras_dist's part
   of the gap is `keras_dist` / `keras_ddp` there.
 
+With `KERAS_DIST_BENCH_BREAKDOWN=1` (several processes) also, to see where the
+multi-process step's time goes: `keras_dist_local_logs`, the same fit with the
+per-step sum of the metric states skipped (each step's logs are then this
+process' own; the epoch's logs are still summed): what global step logs cost;
+`plain_keras_own_rows`, plain Keras' `fit` of this process' rows alone (batch
+512 / N, no communication), and `torch_loop_own_rows`, the loop on them with no
+DDP: each side's per-step work at the per-process batch.
+
 With `KERAS_DIST_BENCH_JIT=1` also `keras_dist_jit` (and on one process
 `plain_keras_jit`): the same fits of a model compiled with `jit_compile=True`,
 whose step Keras' torch trainer compiles with `torch.compile` (the compile
@@ -99,6 +107,59 @@ def _keras_dist_callbacks() -> list:
     return [kd.DistributeCallback(kd.DataParallel())]
 
 
+def _breakdown(
+    x: Any, y: Any, world_size: int, rank: int, loop: Callable[..., Any]
+) -> list[Candidate]:
+    """The candidates of `KERAS_DIST_BENCH_BREAKDOWN=1` (see the module)."""
+    from keras_dist.backends.torch import metric_sync  # noqa: PLC0415
+
+    summed_fit = fit_steps(build_model(), x, y, _keras_dist_callbacks)
+    original_start = metric_sync.MetricSync.start
+
+    def start_without_sum(sync: Any) -> Any:
+        return metric_sync.PendingSum(sync._model, sync._current_layout(), _no_wait)
+
+    def local_logs_fit(steps: int, callbacks: list) -> Any:
+        metric_sync.MetricSync.start = start_without_sum
+        try:
+            return summed_fit(steps, callbacks)
+        finally:
+            metric_sync.MetricSync.start = original_start
+
+    share = GLOBAL_BATCH // world_size
+    rows = len(x) // GLOBAL_BATCH * GLOBAL_BATCH
+    x_own = x[:rows].reshape(-1, world_size, share, x.shape[-1])[:, rank]
+    y_own = y[:rows].reshape(-1, world_size, share)[:, rank]
+    x_own, y_own = x_own.reshape(-1, x.shape[-1]), y_own.reshape(-1)
+    alone = build_model()
+    optimizer = torch.optim.Adam(
+        alone.parameters(),
+        lr=float(alone.optimizer.learning_rate),
+        eps=alone.optimizer.epsilon,
+    )
+    return [
+        Candidate(
+            "keras_dist_local_logs",
+            "keras_dist's fit, the per-step metric sum skipped (step logs local)",
+            local_logs_fit,
+        ),
+        Candidate(
+            "plain_keras_own_rows",
+            "plain Keras' fit of this process' rows alone, no communication",
+            fit_steps(build_model(), x_own, y_own, batch_size=share),
+        ),
+        Candidate(
+            "torch_loop_own_rows",
+            "the loop on this process' rows alone, no DDP",
+            loop(alone, optimizer, rows_of=(x_own, y_own)),
+        ),
+    ]
+
+
+def _no_wait() -> None:
+    return None
+
+
 def main() -> None:
     args = entry_arguments(__doc__.splitlines()[0])
     torch.set_num_threads(1)
@@ -124,20 +185,33 @@ def main() -> None:
     loss_fn = torch.nn.CrossEntropyLoss()
     x_torch, y_torch = torch.from_numpy(x), torch.from_numpy(y).long()
 
-    def loop(forward: Any, optimizer: Any) -> Callable[[int, list], _History]:
-        return lambda steps, callbacks: fit_loop(steps, callbacks, forward, optimizer)
+    def loop(
+        forward: Any, optimizer: Any, rows_of: tuple | None = None
+    ) -> Callable[[int, list], _History]:
+        return lambda steps, callbacks: fit_loop(
+            steps, callbacks, forward, optimizer, rows_of
+        )
 
     def fit_loop(
-        steps: int, callbacks: list, forward: Any = forward, optimizer: Any = optimizer
+        steps: int,
+        callbacks: list,
+        forward: Any = forward,
+        optimizer: Any = optimizer,
+        rows_of: tuple | None = None,
     ) -> _History:
-        rows = steps * GLOBAL_BATCH
-        dataset = TensorDataset(x_torch[:rows], y_torch[:rows])
-        sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=False
-        )
-        loader = DataLoader(
-            dataset, sampler=sampler, batch_size=GLOBAL_BATCH // world_size
-        )
+        share = GLOBAL_BATCH // world_size
+        if rows_of is None:
+            rows = steps * GLOBAL_BATCH
+            dataset = TensorDataset(x_torch[:rows], y_torch[:rows])
+            sampler = DistributedSampler(
+                dataset, num_replicas=world_size, rank=rank, shuffle=False
+            )
+        else:  # this process' rows alone, in order
+            own_x, own_y = (torch.from_numpy(part) for part in rows_of)
+            own_y = own_y.long()
+            dataset = TensorDataset(own_x[: steps * share], own_y[: steps * share])
+            sampler = None
+        loader = DataLoader(dataset, sampler=sampler, batch_size=share)
         for callback in callbacks:
             callback.on_train_begin()
         running_loss = 0.0
@@ -150,9 +224,10 @@ def main() -> None:
             for callback in callbacks:
                 callback.on_train_batch_end(step)
         total = torch.tensor([running_loss / steps], dtype=torch.float64)
-        if world_size > 1:
+        if world_size > 1 and rows_of is None:
             torch_distributed.all_reduce(total)
-        return _History(float(total.item()) / world_size)
+            total /= world_size
+        return _History(float(total.item()))
 
     candidates = [
         Candidate(
@@ -224,6 +299,8 @@ def main() -> None:
                     fit_steps(build_model(jit_compile=True), x, y),
                 )
             )
+    if world_size > 1 and os.environ.get("KERAS_DIST_BENCH_BREAKDOWN") == "1":
+        candidates += _breakdown(x, y, world_size, rank, loop)
     if world_size > 1 and keras_wraps_in_ddp():
         share = GLOBAL_BATCH // world_size
         # This process' rows of each global batch, as keras_dist gives it.
