@@ -6,7 +6,9 @@ train step for the chip's own topology (`v5e:1x1` for one v5e chip) on
 abstract values; then the same model trains for real under
 `kd.DistributeCallback(kd.DataParallel())` and the chip says its peak
 memory (`memory_stats()`: `peak_bytes_in_use`, the buffers, plus
-`peak_bytes_reserved`, the programs' temporaries) and the step time. Run with
+`peak_bytes_reserved`, the programs' temporaries) and the step time. Each
+record also has the static plan's total of the same call (`static_bytes`:
+parameters, gradients, optimizer slots and the activations' estimate). Run with
 `--plan-only` on a CPU host with libtpu (`pip install "keras-dist[tpu]"`) to
 compile the same plans there: the memory figures must be the same.
 
@@ -104,6 +106,9 @@ def run_case(name: str, precision: str, topology: str, plan_only: bool) -> dict:
         steps=("train",),
     )
     train = planned.compiled.steps["train"]
+    # The static plan of the same call (shapes and estimates, no compile):
+    # parameters, gradients, optimizer slots and the activations' estimate.
+    static = planned.devices[0]
     record = {
         "model": name,
         "precision": precision,
@@ -118,6 +123,13 @@ def run_case(name: str, precision: str, topology: str, plan_only: bool) -> dict:
         else train.step_seconds * 1e3,
         "plan_seconds_by_bound": train.seconds,
         "plan_error": train.error,
+        "static_bytes": static.total,
+        "static_parts": {
+            "parameters": static.parameters,
+            "gradients": static.gradients,
+            "optimizer_slots": static.optimizer_slots,
+            "activations": static.activations,
+        },
     }
     if plan_only:
         return record
@@ -202,17 +214,19 @@ def main() -> None:
 
 def _print_table(records: list[dict]) -> None:
     print(
-        "| model | precision | plan peak MiB | measured peak MiB | plan / measured "
-        "| projected ms | measured ms | projected / measured | plan s |"
+        "| model | precision | static MiB | plan peak MiB | measured peak MiB "
+        "| plan / measured | projected ms | measured ms | projected / measured "
+        "| plan s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
 
         def mib(value: Any) -> str:
             return "" if value is None else f"{value / 2**20:.1f}"
 
         print(
-            f"| {r['model']} | {r['precision']} | {mib(r['plan_peak_bytes'])} | "
+            f"| {r['model']} | {r['precision']} | {mib(r.get('static_bytes'))} | "
+            f"{mib(r['plan_peak_bytes'])} | "
             f"{mib(r.get('measured_peak_bytes'))} | {r.get('peak_ratio', 0):.3f} | "
             f"{(r['plan_step_ms'] or 0):.3f} | {r.get('measured_step_ms', 0):.3f} | "
             f"{r.get('step_ratio', 0):.3f} | {r['plan_seconds']} |"
