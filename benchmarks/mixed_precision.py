@@ -103,7 +103,9 @@ def run_once(args: argparse.Namespace) -> dict:
     x = rng.integers(0, args.vocabulary, size=(rows, args.sequence)).astype("int32")
     y = np.roll(x, -1, axis=1)
     allocated_before = allocated_bytes()
-    model = build(args, "mixed_bfloat16" if args.variant == "keras_mixed" else "float32")
+    model = build(
+        args, "mixed_bfloat16" if args.variant == "keras_mixed" else "float32"
+    )
     backward = BackwardStart(model) if backend == "torch" else None
     timer = StepTimer()
     model.fit(
@@ -120,7 +122,9 @@ def run_once(args: argparse.Namespace) -> dict:
 
         stats = jax.local_devices()[0].memory_stats() or {}
         if stats:
-            peak = stats.get("peak_bytes_in_use", 0) + stats.get("peak_bytes_reserved", 0)
+            peak = stats.get("peak_bytes_in_use", 0) + stats.get(
+                "peak_bytes_reserved", 0
+            )
     return {
         "variant": args.variant,
         "backend": backend,
@@ -170,7 +174,11 @@ def compare(args: argparse.Namespace) -> None:
                     str(args.processes),
                 ]
             done = subprocess.run(
-                command, capture_output=True, text=True, check=False, env=dict(os.environ)
+                command,
+                capture_output=True,
+                text=True,
+                check=False,
+                env=dict(os.environ),
             )
             if done.returncode:
                 raise SystemExit(done.stderr[-3000:])

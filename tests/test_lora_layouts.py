@@ -44,7 +44,9 @@ def _layout_map(mesh):
 
 def _axes(distribution, model) -> dict[str, tuple]:
     return {
-        variable.path.split("/", 1)[1]: tuple(distribution.layout_for_variable(variable).axes)
+        variable.path.split("/", 1)[1]: tuple(
+            distribution.layout_for_variable(variable).axes
+        )
         for variable in model.weights
     }
 

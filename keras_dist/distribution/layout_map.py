@@ -117,7 +117,9 @@ def lora_base_path(path: str) -> str | None:
     return f"{head}/kernel" if head and name in LORA_FACTORS else None
 
 
-def lora_axes(path: str, factor_rank: int, kernel_axes: tuple, kernel_rank: int) -> tuple:
+def lora_axes(
+    path: str, factor_rank: int, kernel_axes: tuple, kernel_rank: int
+) -> tuple:
     """The axes of the LoRA factor at `path` (of `factor_rank` dimensions)
     from its kernel's (`kernel_axes`, spelled out or fewer, of a kernel of
     `kernel_rank` dimensions): see above."""

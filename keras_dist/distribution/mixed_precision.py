@@ -77,7 +77,9 @@ class MixedPrecisionPolicy:
     MixedPrecisionPolicy(compute_dtype='bfloat16', reduce_dtype=None)
     """
 
-    def __init__(self, compute_dtype: str = "bfloat16", reduce_dtype: str | None = None):
+    def __init__(
+        self, compute_dtype: str = "bfloat16", reduce_dtype: str | None = None
+    ):
         self.compute_dtype = _dtype(compute_dtype, "compute_dtype", COMPUTE_DTYPES)
         self.reduce_dtype = (
             None

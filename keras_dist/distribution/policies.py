@@ -12,13 +12,13 @@ import numpy as np
 
 from keras_dist.backends import get_adapter
 from keras_dist.common import job
+from keras_dist.distribution.layout_map import lora_axes, lora_base_path
 from keras_dist.distribution.mesh import (
     DeviceMesh,
     TensorLayout,
     describe_mesh,
     validate_axes_in_mesh,
 )
-from keras_dist.distribution.layout_map import lora_axes, lora_base_path
 from keras_dist.distribution.mixed_precision import check_mixed_precision
 from keras_dist.distribution.remat import check_remat
 from keras_dist.keras_compat.data_adapters import (
@@ -668,6 +668,10 @@ class FSDP(ModelParallel):
             f"<FSDP device_mesh={self.device_mesh}, axis={self._axis!r}, "
             f"min_size={self._min_size}"
             + ("" if self._keep_optimizer_sharded else ", keep_optimizer_sharded=False")
-            + (f", mixed_precision={self.mixed_precision}" if self.mixed_precision else "")
+            + (
+                f", mixed_precision={self.mixed_precision}"
+                if self.mixed_precision
+                else ""
+            )
             + ">"
         )

@@ -12,8 +12,8 @@ import keras
 
 from keras_dist import keras_compat
 from keras_dist.backends import get_adapter
-from keras_dist.distribution.policies import Distribution, ModelParallel
 from keras_dist.distribution.mixed_precision import compute_in
+from keras_dist.distribution.policies import Distribution, ModelParallel
 from keras_dist.distribution.remat import rematerialize
 from keras_dist.faults import heartbeat
 from keras_dist.keras_compat.callbacks import silence_callbacks
