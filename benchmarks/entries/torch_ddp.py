@@ -1,8 +1,9 @@
 """PyTorch DDP: keras_dist's `fit` against a hand-written DDP training loop.
 
 Both candidates train the same Keras convnet (built from the same seed) on the
-same synthetic 28x28x1 images with the same global batch, in the same 2
-processes (one CPU device each, gloo), taking turns:
+same synthetic 28x28x1 images with the same global batch, in the same
+processes (2 under `run.py`; any count that divides the batch under `keras-dist
+launch`; one CPU device each, gloo), taking turns:
 
 - `keras_dist`: a plain `model.fit(x, y, batch_size=GLOBAL_BATCH, callbacks=[
   kd.DistributeCallback(kd.DataParallel())])`. keras_dist wraps the model in
@@ -79,12 +80,11 @@ from benchmarks.harness import (  # noqa: E402
     Candidate,
     entry_arguments,
     report,
-    require_processes,
     run_interleaved,
 )
 from benchmarks.mlp import fit_steps  # noqa: E402
 
-PROCESSES = 2
+PROCESSES = 2  # run.py's count: the entry's name without a suffix
 GLOBAL_BATCH = 128
 IMAGE_SHAPE = (28, 28, 1)
 CLASSES = 10
@@ -245,9 +245,19 @@ def processes_agreeing(model: keras.Model) -> int:
 
 def main() -> None:
     args = entry_arguments(__doc__.splitlines()[0])
-    require_processes(PROCESSES)
     torch.set_num_threads(1)
     world_size, rank = kd.num_processes(), kd.process_id()
+    if GLOBAL_BATCH % world_size:
+        raise ValueError(
+            f"The global batch {GLOBAL_BATCH} must split evenly over the "
+            f"processes. Received: {world_size} processes"
+        )
+    if not torch_distributed.is_initialized():
+        # One process: a group of one, so that the loops run as on several
+        # (DDP and the collectives of one rank); keras_dist's fit wraps nothing.
+        torch_distributed.init_process_group(
+            "gloo", store=torch_distributed.HashStore(), rank=0, world_size=1
+        )
     x, y = synthetic_data(max(args.steps, args.warmup_steps) * GLOBAL_BATCH)
 
     # -- keras_dist: a plain fit with the callback ------------------------------
@@ -421,7 +431,7 @@ def main() -> None:
         return
     params = kd_model.count_params()
     report(
-        "torch_ddp",
+        "torch_ddp" if world_size == PROCESSES else f"torch_ddp_{world_size}",
         args,
         devices=world_size,
         global_batch=GLOBAL_BATCH,
