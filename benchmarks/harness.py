@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -179,6 +181,57 @@ def require_processes(expected: int) -> None:
             f"{kd.num_processes()}. Start it with `keras-dist launch "
             f"--nproc-per-node {expected}` (run.py does)."
         )
+
+
+def run_in_own_job(
+    script: str,
+    arguments: Sequence[str],
+    processes: int,
+    *,
+    most: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Run `script` with `arguments` in a process of its own (under `keras-dist
+    launch --nproc-per-node processes` when several), which prints one JSON
+    line per process, and return process 0's figures with, for each key of
+    `most` that is not None, the largest any process gave. Exits with the
+    run's error when it fails or its processes did not join one job."""
+    command = [sys.executable, script, *arguments]
+    if processes > 1:
+        command[1:1] = [
+            "-m",
+            "keras_dist",
+            "launch",
+            "--nproc-per-node",
+            str(processes),
+        ]
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        check=False,
+        env=dict(os.environ) if env is None else env,
+    )
+    if done.returncode:
+        raise SystemExit(done.stderr[-3000:])
+    if processes == 1:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    # `keras-dist launch` prefixes each line with its rank.
+    each = [
+        json.loads(line.split("] ", 1)[1])
+        for line in done.stdout.splitlines()
+        if line.startswith("[rank ") and line.split("] ", 1)[1].startswith("{")
+    ]
+    if len(each) != processes or each[0].get("processes", processes) != processes:
+        raise SystemExit(
+            f"expected one result from each of {processes} processes of one job:"
+            f"\n{done.stdout}"
+        )
+    result = dict(each[0])
+    for key in most:
+        if result[key] is not None:
+            result[key] = max(one[key] for one in each)
+    return result
 
 
 def entry_result(

@@ -36,16 +36,13 @@ import keras_dist as kd  # isort: skip  (applies KERAS_DIST_CPU_DEVICES first)
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 
 import keras
 import numpy as np
 
 from benchmarks.fsdp_memory import BackwardStart, allocated_bytes
-from benchmarks.harness import StepTimer
+from benchmarks.harness import StepTimer, run_in_own_job
 
 VARIANTS = ("float32", "keras_mixed", "policy", "policy_f32_reduce")
 
@@ -140,17 +137,6 @@ def run_once(args: argparse.Namespace) -> dict:
     }
 
 
-def _result(stdout: str, processes: int) -> dict:
-    lines = [line for line in stdout.splitlines() if "{" in line]
-    each = [json.loads(line[line.index("{") :]) for line in lines]
-    if len(each) != processes:
-        raise SystemExit(f"expected {processes} results, got {len(each)}:\n{stdout}")
-    result = dict(each[0])
-    if result["backward_start_bytes"] is not None:
-        result["backward_start_bytes"] = max(r["backward_start_bytes"] for r in each)
-    return result
-
-
 def compare(args: argparse.Namespace) -> None:
     variants = [
         v
@@ -160,29 +146,19 @@ def compare(args: argparse.Namespace) -> None:
     runs: dict[str, list[dict]] = {variant: [] for variant in variants}
     for _ in range(args.repeats):
         for variant in variants:
-            command = [sys.executable, __file__, "--variant", variant]
+            arguments = ["--variant", variant]
             for name in ("width", "layers", "heads", "sequence", "vocabulary"):
-                command += [f"--{name}", str(getattr(args, name))]
-            command += ["--batch", str(args.batch), "--steps", str(args.steps)]
-            command += ["--skip-steps", str(args.skip_steps)]
-            if args.processes > 1:
-                command[1:1] = [
-                    "-m",
-                    "keras_dist",
-                    "launch",
-                    "--nproc-per-node",
-                    str(args.processes),
-                ]
-            done = subprocess.run(
-                command,
-                capture_output=True,
-                text=True,
-                check=False,
-                env=dict(os.environ),
+                arguments += [f"--{name}", str(getattr(args, name))]
+            arguments += ["--batch", str(args.batch), "--steps", str(args.steps)]
+            arguments += ["--skip-steps", str(args.skip_steps)]
+            runs[variant].append(
+                run_in_own_job(
+                    __file__,
+                    arguments,
+                    args.processes,
+                    most=("backward_start_bytes",),
+                )
             )
-            if done.returncode:
-                raise SystemExit(done.stderr[-3000:])
-            runs[variant].append(_result(done.stdout, args.processes))
     mib = 2**20
     summary = {"params": runs["float32"][0]["params"], "rounds": args.repeats}
     summary["device"] = runs["float32"][0]["device"]

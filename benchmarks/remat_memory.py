@@ -44,8 +44,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -56,7 +54,7 @@ from benchmarks.fsdp_memory import (
     allocated_bytes,
     resident_bytes,
 )
-from benchmarks.harness import StepTimer
+from benchmarks.harness import StepTimer, run_in_own_job
 
 
 class Block(keras.layers.Layer):
@@ -168,28 +166,6 @@ def run_once(args: argparse.Namespace) -> dict:
     }
 
 
-def _result(stdout: str, processes: int) -> dict:
-    """One run's figures: with several processes (`keras-dist launch` prefixes
-    each line with its rank), the most bytes any process held and process 0's
-    step time."""
-    if processes == 1:
-        return json.loads(stdout.strip().splitlines()[-1])
-    each = [
-        json.loads(line.split("] ", 1)[1])
-        for line in stdout.splitlines()
-        if line.startswith("[rank ") and line.split("] ", 1)[1].startswith("{")
-    ]
-    if len(each) != processes:
-        raise SystemExit(f"expected {processes} results, got {len(each)}:\n{stdout}")
-    result = dict(each[0])
-    for key in ("backward_start_bytes", "step_peak_bytes", "xla_temp_bytes"):
-        if result[key] is not None:
-            result[key] = max(one[key] for one in each)
-    if result["processes"] != processes:
-        raise SystemExit(f"the runs did not join one job of {processes}:\n{stdout}")
-    return result
-
-
 def compare(args: argparse.Namespace) -> None:
     """Every policy without and with remat, each run in its own process,
     interleaved `--repeats` times; the medians and spreads."""
@@ -197,40 +173,27 @@ def compare(args: argparse.Namespace) -> None:
     for _ in range(args.repeats):
         for policy in args.policies:
             for remat in (False, True):
-                command = [
-                    sys.executable,
-                    __file__,
-                    "--policy",
-                    policy,
-                    "--blocks",
-                    str(args.blocks),
-                    "--width",
-                    str(args.width),
-                    "--batch",
-                    str(args.batch),
-                    "--steps",
-                    str(args.steps),
-                    "--skip-steps",
-                    str(args.skip_steps),
-                ] + (["--remat"] if remat else [])
+                arguments = ["--policy", policy, "--blocks", str(args.blocks)]
+                arguments += ["--width", str(args.width), "--batch", str(args.batch)]
+                arguments += ["--steps", str(args.steps)]
+                arguments += ["--skip-steps", str(args.skip_steps)]
+                arguments += ["--remat"] if remat else []
                 env = dict(os.environ)
                 if args.processes > 1:
                     # Each process on its own core; every process prints.
-                    command[1:1] = [
-                        "-m",
-                        "keras_dist",
-                        "launch",
-                        "--nproc-per-node",
-                        str(args.processes),
-                    ]
                     env.setdefault("REMAT_BENCH_THREADS", "1")
-                done = subprocess.run(
-                    command, capture_output=True, text=True, check=False, env=env
-                )
-                if done.returncode:
-                    raise SystemExit(done.stderr[-3000:])
                 runs.setdefault((policy, remat), []).append(
-                    _result(done.stdout, args.processes)
+                    run_in_own_job(
+                        __file__,
+                        arguments,
+                        args.processes,
+                        most=(
+                            "backward_start_bytes",
+                            "step_peak_bytes",
+                            "xla_temp_bytes",
+                        ),
+                        env=env,
+                    )
                 )
     mib = 2**20
     for policy in args.policies:
