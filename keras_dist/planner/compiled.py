@@ -30,8 +30,7 @@ import keras
 
 from keras_dist.backends import get_adapter
 from keras_dist.common import accelerators
-from keras_dist.distribution.mixed_precision import compute_in
-from keras_dist.distribution.remat import rematerialize
+from keras_dist.distribution.layer_settings import apply_layer_settings
 from keras_dist.keras_compat.abstract_models import (
     abstract_variables,
     build_for_training,
@@ -237,28 +236,20 @@ def compiled_plan(
         with abstract_variables():
             build_for_training(model, (x, y))
     adapter = get_adapter()
-    # What a run under `made` gives the model's layers (`training.session`):
-    # recomputation, and the compute dtype of a mixed-precision policy.
-    undo = []
-    if getattr(made, "remat", None) is not None:
-        undo.append(
-            rematerialize(
-                model,
-                made.remat,
-                warn=False,
-                recomputes_state=getattr(adapter, "recomputes_layer_state", False),
-            )
-        )
-    if getattr(made, "mixed_precision", None) is not None:
-        undo.append(compute_in(model, made.mixed_precision, warn=False))
+    # What a run under `made` gives the model's layers (`training.session`).
+    undo = apply_layer_settings(
+        model,
+        made,
+        warn=False,
+        recomputes_state=getattr(adapter, "recomputes_layer_state", False),
+    )
     try:
         raw = adapter.compile_steps(model, made, (x, y), kinds)
         compute_dtype = keras.backend.standardize_dtype(
             model.dtype_policy.compute_dtype
         )
     finally:
-        for step in reversed(undo):
-            step()
+        undo()
     memory = device_memory or topology_mesh.memory()
     kind = accelerators.kind_of(topology_mesh.device_kind)
     steps = {
@@ -283,14 +274,10 @@ def compiled_plan(
             "The devices' memory is unknown: pass device_memory= to know whether "
             "it fits."
         )
-    elif device_memory is None and accelerators.memory_source(
-        topology_mesh.device_kind
+    elif device_memory is None and (
+        source := accelerators.memory_source(topology_mesh.device_kind)
     ):
-        notes.append(
-            "Each device's memory: "
-            + accelerators.memory_source(topology_mesh.device_kind)
-            + "."
-        )
+        notes.append(f"Each device's memory: {source}.")
     return CompiledPlan(
         topology.name,
         topology_mesh.device_kind,

@@ -12,9 +12,8 @@ import keras
 
 from keras_dist import keras_compat
 from keras_dist.backends import get_adapter
-from keras_dist.distribution.mixed_precision import compute_in
+from keras_dist.distribution.layer_settings import apply_layer_settings
 from keras_dist.distribution.policies import Distribution, ModelParallel
-from keras_dist.distribution.remat import rematerialize
 from keras_dist.faults import heartbeat
 from keras_dist.keras_compat.callbacks import silence_callbacks
 from keras_dist.keras_compat.distribution import KerasDistribution
@@ -100,31 +99,18 @@ class DistributedRun:
         _active_runs[key] = self
         self.active = True
         _warn_unmatched_layout_keys(self.model, self.distribution)
-        if self.distribution.remat is not None:
-            try:
-                self._undo.append(
-                    rematerialize(
-                        self.model,
-                        self.distribution.remat,
-                        warn=adapter.process_id() == 0,
-                        recomputes_state=adapter.recomputes_layer_state,
-                    )
+        try:
+            self._undo.append(
+                apply_layer_settings(
+                    self.model,
+                    self.distribution,
+                    warn=adapter.process_id() == 0,
+                    recomputes_state=adapter.recomputes_layer_state,
                 )
-            except BaseException:
-                self.stop()
-                raise
-        if self.distribution.mixed_precision is not None:
-            try:
-                self._undo.append(
-                    compute_in(
-                        self.model,
-                        self.distribution.mixed_precision,
-                        warn=adapter.process_id() == 0,
-                    )
-                )
-            except BaseException:
-                self.stop()
-                raise
+            )
+        except BaseException:
+            self.stop()
+            raise
         self._call = call
         # One voice: only process 0 shows progress bars and per-epoch logs.
         # (Files, from checkpoints to CSV logs and TensorBoard events, are
