@@ -65,7 +65,9 @@ class Distribution(KerasDistribution):
             mode for each call, as if built inside the scope; layers whose
             call updates state (Dropout, BatchNormalization) are left out,
             saying so, and `"full"` recomputes the outermost layers that
-            qualify, each as one piece. Training is unchanged. JAX and
+            qualify, each as one piece (a model inside the model, such as
+            a KerasHub backbone, is looked into: its blocks are the
+            pieces). Training is unchanged. JAX and
             PyTorch (TensorFlow raises `NotImplementedError`).
     """
 

@@ -19,9 +19,12 @@ ends, with two differences that keep training exact:
 - `"full"` recomputes the outermost layers that qualify (the model's own
   layers, or a layer's sublayers where it is left out for its state), each as
   one piece: only each piece's inputs are kept for the backward pass, as
-  activation checkpointing per block does in torchtitan. Keras' scope would
-  also mark every nested layer, recomputing the inner ones once more for
-  nothing.
+  activation checkpointing per block does in torchtitan. A model inside the
+  model (a KerasHub backbone inside its task) is not a piece: its own layers
+  are, a decoder's blocks. Recomputed whole, it would rebuild all its
+  activations at once in the backward pass, and its peak would not fall.
+  Keras' scope would also mark every nested layer, recomputing the inner ones
+  once more for nothing.
 
 A layer that already has its own mode (built under a `keras.RematScope`) keeps
 it. TensorFlow is refused when the distribution is made (Keras' recompute
@@ -127,8 +130,21 @@ class RematPlan:
 
     def _outermost(self, layers: list[Any]) -> None:
         for layer in layers:
-            if self._consider(layer, descend=True):
-                self._outermost(keras_layers.sublayers(layer))
+            if any(layer is kept for kept in self.layers):
+                continue  # reached twice (a tied embedding, say)
+            inner = keras_layers.sublayers(layer)
+            if (
+                isinstance(layer, keras.Model)
+                and inner
+                and keras_remat.mode_of(layer) is None
+            ):
+                # A model inside the model (a KerasHub backbone inside its
+                # task): its own layers are the pieces, a decoder's blocks.
+                # Recomputed whole, it would rebuild every activation at
+                # once in the backward pass, and save nothing at its peak.
+                self._outermost(inner)
+            elif self._consider(layer, descend=True):
+                self._outermost(inner)
 
     def _consider(self, layer: Any, descend: bool) -> bool:
         """Add `layer` if it qualifies; True when its sublayers are to be

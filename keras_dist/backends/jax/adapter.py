@@ -193,7 +193,8 @@ class JaxAdapter(BackendAdapter):
             raise RuntimeError(
                 "JAX's cluster detection found a job but this process could not "
                 f"join it within {timeout_seconds:g} s (call keras_dist.initialize"
-                f"() before any JAX computation): {error}"
+                "() before any JAX computation; to run this process alone, set "
+                f"KERAS_DISTRIBUTION_NUM_PROCESSES=1): {error}"
             ) from error
         return True
 
