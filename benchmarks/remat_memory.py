@@ -4,7 +4,15 @@ Trains a deep residual MLP (`--blocks` blocks of `Dense(4 * width, gelu)` then
 `Dense(width)` plus the block's input, a transformer's feed-forward half; Adam,
 batch `--batch`) for a few steps under `kd.DataParallel()` or `kd.FSDP()`, with
 and without `remat="full"` (each block recomputed in the backward pass, only
-its input kept), and prints one JSON line per run:
+its input kept), and prints one JSON line per run. `--model gemma` trains a
+KerasHub Gemma decoder from its config instead (`--blocks` blocks of width
+`--width`, `--sequence` tokens, random weights; each block has its
+`Dropout(0.0)`s):
+
+- `device_peak_bytes` (JAX on an accelerator): the device's peak,
+  `peak_bytes_in_use` plus `peak_bytes_reserved` (the runtime keeps a
+  program's temporaries apart), with and without remat in their own
+  processes: the difference is what remat saves on the device.
 
 - `backward_start_bytes` (PyTorch): what malloc holds when the backward
   starts, over what it held before the model was built (glibc's `mallinfo2`,
@@ -18,7 +26,7 @@ its input kept), and prints one JSON line per run:
 - `xla_temp_bytes` (JAX): XLA's own figure for the temporary buffers of the
   compiled loss-and-gradient of one batch on one device (its memory analysis:
   exact, where the resident memory of XLA's CPU runtime hardly moves), with
-  the layers' modes that remat gives them (`RematPlan`, what `fit` applies).
+  the layers' modes that remat gives them (what `fit` applies).
 - `step_ms`: the median step time (after `--skip-steps`), for the cost.
 
 `--compare` runs each policy without and with remat in its own process (on
@@ -30,6 +38,9 @@ step-time ratio.
 ```shell
 KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 PYTHONPATH=. \
     python benchmarks/remat_memory.py --compare --policies dp fsdp
+# a decoder on an accelerator (the TPU v5e chip): its peak memory
+KERAS_BACKEND=jax PYTHONPATH=. python benchmarks/remat_memory.py --compare \
+    --model gemma --blocks 8 --width 1024 --sequence 1024 --batch 16 --repeats 1
 KERAS_BACKEND=torch PYTHONPATH=. python benchmarks/remat_memory.py --compare
 KERAS_BACKEND=torch PYTHONPATH=. python benchmarks/remat_memory.py --compare \
     --processes 2 --policies dp fsdp
@@ -69,6 +80,8 @@ class Block(keras.layers.Layer):
 
 def build(args: argparse.Namespace) -> keras.Model:
     keras.utils.set_random_seed(0)
+    if args.model == "gemma":
+        return build_gemma(args)
     inputs = keras.Input((args.width,))
     hidden = inputs
     for index in range(args.blocks):
@@ -82,14 +95,83 @@ def build(args: argparse.Namespace) -> keras.Model:
     return model
 
 
+def build_gemma(args: argparse.Namespace) -> keras.Model:
+    """A KerasHub Gemma decoder from its config (random weights, no download):
+    `--blocks` decoder blocks of width `--width`, each with its
+    `Dropout(0.0)`s, the layers remat once crashed on."""
+    import keras_hub
+
+    heads = max(1, args.width // 128)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=args.vocabulary,
+        num_layers=args.blocks,
+        num_query_heads=heads,
+        num_key_value_heads=1,
+        hidden_dim=args.width,
+        intermediate_dim=4 * args.width,
+        head_dim=args.width // heads,
+    )
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def data(args: argparse.Namespace, rows: int) -> tuple:
+    rng = np.random.default_rng(0)
+    if args.model == "gemma":
+        tokens = rng.integers(0, args.vocabulary, (rows, args.sequence + 1))
+        x = {
+            "token_ids": tokens[:, :-1].astype("int32"),
+            "padding_mask": np.ones((rows, args.sequence), "int32"),
+        }
+        return x, tokens[:, 1:].astype("int32")
+    x = rng.normal(size=(rows, args.width)).astype("float32")
+    return x, rng.integers(0, 10, size=(rows,)).astype("int32")
+
+
+def _on_cpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "cpu"
+
+
+def device_peak_bytes() -> int | None:
+    """The accelerator's peak (JAX): `peak_bytes_in_use`, the buffers, plus
+    `peak_bytes_reserved`, where the runtime keeps a program's temporaries.
+    None on CPU devices, which keep no such count."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" not in stats:
+        return None
+    return stats["peak_bytes_in_use"] + stats.get("peak_bytes_reserved", 0)
+
+
 def xla_temp_bytes(model: keras.Model, x: np.ndarray, y: np.ndarray, remat) -> int:
     """XLA's temporary bytes for the loss and gradients of `x`, `y` on one
     device, the layers recomputing as `remat` (a mode name or None) says."""
     import jax
 
-    from keras_dist.distribution.remat import RematPlan
+    from keras_dist.backends.jax.remat import checkpoint
+    from keras_dist.distribution.layer_settings import apply_layer_settings
+    from keras_dist.keras_compat.layers import layers_of
+    from keras_dist.keras_compat.remat import recompute_whole_calls
 
-    undo = RematPlan(model, keras.RematScope(mode=remat)).apply() if remat else None
+    # What fit under keras_dist applies on JAX: the layers' modes, and
+    # recomputed calls whose Python arguments stay static (Dropout's
+    # `training`) and whose state updates leave the checkpoint as values.
+    undo_modes = apply_layer_settings(
+        model, kd.DataParallel(remat=remat), warn=False, recomputes_state=True
+    )
+    undo_calls = recompute_whole_calls(layers_of(model), checkpoint)
+
+    def undo() -> None:
+        undo_calls()
+        undo_modes()
+
     try:
         trainable = [v.value for v in model.trainable_variables]
         non_trainable = [v.value for v in model.non_trainable_variables]
@@ -114,8 +196,7 @@ def xla_temp_bytes(model: keras.Model, x: np.ndarray, y: np.ndarray, remat) -> i
         )
         return int(compiled.memory_analysis().temp_size_in_bytes)
     finally:
-        if undo is not None:
-            undo()
+        undo()
 
 
 def run_once(args: argparse.Namespace) -> dict:
@@ -125,11 +206,12 @@ def run_once(args: argparse.Namespace) -> dict:
         import torch
 
         torch.set_num_threads(int(os.environ.get("REMAT_BENCH_THREADS", "2")))
-    rng = np.random.default_rng(0)
-    rows = args.batch * args.steps
-    x = rng.normal(size=(rows, args.width)).astype("float32")
-    y = rng.integers(0, 10, size=(rows,)).astype("int32")
-    before, allocated_before = resident_bytes(), allocated_bytes()
+    x, y = data(args, args.batch * args.steps)
+    # On an accelerator the device's own peak is the figure; the host's
+    # resident memory is not read (gVisor, say, keeps no VmHWM).
+    host = keras.backend.backend() != "jax" or _on_cpu()
+    before = resident_bytes() if host else 0
+    allocated_before = allocated_bytes()
     remat = "full" if args.remat else None
     distribution = (
         kd.FSDP(min_size=1024, remat=remat)
@@ -138,19 +220,23 @@ def run_once(args: argparse.Namespace) -> dict:
     )
     model = build(args)
     backward = BackwardStart(model) if keras.backend.backend() == "torch" else None
-    timer, peak = StepTimer(), StepPeak()
+    timer, peak = StepTimer(), StepPeak() if host else None
     model.fit(
         x,
         y,
         batch_size=args.batch,
         shuffle=False,
         verbose=0,
-        callbacks=[kd.DistributeCallback(distribution), timer, peak],
+        callbacks=[kd.DistributeCallback(distribution), timer, *[peak] * host],
     )
-    temp = None
+    temp = device_peak = None
     if keras.backend.backend() == "jax":
-        temp = xla_temp_bytes(model, x[: args.batch], y[: args.batch], remat)
+        device_peak = device_peak_bytes()  # before the analysis compiles more
+        first = keras.tree.map_structure(lambda a: a[: args.batch], (x, y))
+        temp = xla_temp_bytes(model, *first, remat)
     return {
+        "model": args.model,
+        "device_peak_bytes": device_peak,
         "xla_temp_bytes": temp,
         "backend": keras.backend.backend(),
         "devices": len(kd.list_devices()),
@@ -161,7 +247,7 @@ def run_once(args: argparse.Namespace) -> dict:
         "backward_start_bytes": None
         if backward is None
         else backward.most - allocated_before,
-        "step_peak_bytes": peak.peak - before,
+        "step_peak_bytes": peak.peak - before if host else None,
         "step_ms": 1000 * statistics.median(timer.step_times(args.skip_steps)),
     }
 
@@ -174,6 +260,9 @@ def compare(args: argparse.Namespace) -> None:
         for policy in args.policies:
             for remat in (False, True):
                 arguments = ["--policy", policy, "--blocks", str(args.blocks)]
+                arguments += ["--model", args.model]
+                arguments += ["--sequence", str(args.sequence)]
+                arguments += ["--vocabulary", str(args.vocabulary)]
                 arguments += ["--width", str(args.width), "--batch", str(args.batch)]
                 arguments += ["--steps", str(args.steps)]
                 arguments += ["--skip-steps", str(args.skip_steps)]
@@ -188,6 +277,7 @@ def compare(args: argparse.Namespace) -> None:
                         arguments,
                         args.processes,
                         most=(
+                            "device_peak_bytes",
                             "backward_start_bytes",
                             "step_peak_bytes",
                             "xla_temp_bytes",
@@ -198,10 +288,10 @@ def compare(args: argparse.Namespace) -> None:
     mib = 2**20
     for policy in args.policies:
         plain, remat = runs[(policy, False)], runs[(policy, True)]
-        key = (
-            "backward_start_bytes"
-            if plain[0]["backward_start_bytes"] is not None
-            else "xla_temp_bytes"
+        key = next(
+            k
+            for k in ("device_peak_bytes", "backward_start_bytes", "xla_temp_bytes")
+            if plain[0].get(k) is not None
         )
         saved = [(a[key] - b[key]) / mib for a, b in zip(plain, remat, strict=True)]
         ratio = [b["step_ms"] / a["step_ms"] for a, b in zip(plain, remat, strict=True)]
@@ -209,6 +299,7 @@ def compare(args: argparse.Namespace) -> None:
             json.dumps(
                 {
                     "backend": plain[0]["backend"],
+                    "model": args.model,
                     "devices": plain[0]["devices"],
                     "policy": policy,
                     "params": plain[0]["params"],
@@ -220,12 +311,10 @@ def compare(args: argparse.Namespace) -> None:
                     "step_time_ratio_median": statistics.median(ratio),
                     "step_time_ratio_range": [min(ratio), max(ratio)],
                     "step_ms_without": statistics.median(r["step_ms"] for r in plain),
-                    "step_peak_mib_without": statistics.median(
-                        r["step_peak_bytes"] / mib for r in plain
-                    ),
-                    "step_peak_mib_with": statistics.median(
-                        r["step_peak_bytes"] / mib for r in remat
-                    ),
+                    "xla_temp_mib_without": _median_mib(plain, "xla_temp_bytes"),
+                    "xla_temp_mib_with": _median_mib(remat, "xla_temp_bytes"),
+                    "step_peak_mib_without": _median_mib(plain, "step_peak_bytes"),
+                    "step_peak_mib_with": _median_mib(remat, "step_peak_bytes"),
                     "processes": args.processes,
                     "runs": args.repeats,
                 }
@@ -233,11 +322,20 @@ def compare(args: argparse.Namespace) -> None:
         )
 
 
+def _median_mib(runs: list[dict], key: str) -> float | None:
+    if runs[0].get(key) is None:
+        return None
+    return statistics.median(r[key] / 2**20 for r in runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", choices=("dp", "fsdp"), default="dp")
     parser.add_argument("--remat", action="store_true")
+    parser.add_argument("--model", choices=("mlp", "gemma"), default="mlp")
     parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--sequence", type=int, default=512, help="gemma only")
+    parser.add_argument("--vocabulary", type=int, default=8192, help="gemma only")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
