@@ -39,8 +39,8 @@ step-time ratio.
 KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 PYTHONPATH=. \
     python benchmarks/remat_memory.py --compare --policies dp fsdp
 # a decoder on an accelerator (the TPU v5e chip): its peak memory
-KERAS_BACKEND=jax PYTHONPATH=. python benchmarks/remat_memory.py --both-in-one-process \
-    --model gemma --blocks 8 --width 1024 --sequence 1024 --batch 8 --steps 6
+KERAS_BACKEND=jax PYTHONPATH=. python benchmarks/remat_memory.py --compare \
+    --model gemma --blocks 8 --width 1024 --sequence 1024 --batch 8 --repeats 1
 KERAS_BACKEND=torch PYTHONPATH=. python benchmarks/remat_memory.py --compare
 KERAS_BACKEND=torch PYTHONPATH=. python benchmarks/remat_memory.py --compare \
     --processes 2 --policies dp fsdp
@@ -322,44 +322,6 @@ def compare(args: argparse.Namespace) -> None:
         )
 
 
-def both_in_one_process(args: argparse.Namespace) -> None:
-    """JAX on an accelerator, where starting a program costs much: with remat,
-    then without, in this process, each model freed before the next. The
-    device's peak only grows, so the second figure is the run without remat's
-    own peak where it is the larger (said in `valid`)."""
-    import gc
-
-    import jax
-
-    if keras.backend.backend() != "jax" or _on_cpu():
-        raise SystemExit(
-            "--both-in-one-process reads an accelerator's own peak (JAX on a "
-            "TPU or GPU); on CPU devices use --compare"
-        )
-    records = []
-    for remat in (True, False):
-        args.remat = remat
-        records.append(run_once(args))
-        gc.collect()
-        jax.clear_caches()
-    with_remat, without = records
-    for record in records:
-        print(json.dumps(record), flush=True)
-    peaks = with_remat["device_peak_bytes"], without["device_peak_bytes"]
-    print(
-        json.dumps(
-            {
-                "model": args.model,
-                "params": without["params"],
-                "with_remat_peak_mib": peaks[0] / 2**20,
-                "without_remat_peak_mib": peaks[1] / 2**20,
-                "valid": peaks[1] > peaks[0],
-                "step_time_ratio": with_remat["step_ms"] / without["step_ms"],
-            }
-        )
-    )
-
-
 def _median_mib(runs: list[dict], key: str) -> float | None:
     if runs[0].get(key) is None:
         return None
@@ -379,12 +341,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip-steps", type=int, default=2)
     parser.add_argument("--compare", action="store_true")
-    parser.add_argument(
-        "--both-in-one-process",
-        action="store_true",
-        help="JAX on an accelerator: with and without remat in this process "
-        "(see both_in_one_process)",
-    )
     parser.add_argument("--policies", nargs="+", default=["dp"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -397,8 +353,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.compare:
         compare(args)
-    elif args.both_in_one_process:
-        both_in_one_process(args)
     else:
         print(json.dumps(run_once(args)), flush=True)
 
