@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -355,18 +356,46 @@ def _assert_values(state: dict, values: dict, atol: float = 1e-6) -> None:
         )
 
 
-def test_two_processes_write_their_own_shards_restored_in_one(tmp_path):
+@pytest.fixture(scope="module")
+def one_process_save(tmp_path_factory) -> tuple:
+    """A checkpoint written by this process, for the job below to restore:
+    its directory (`load` in the job's directory) and the saved state."""
+    x, y = worker.data()
+    net = worker.model(seed=1)
+    steps = 3 * worker.BATCH
+    net.fit(x[:steps], y[:steps], batch_size=worker.BATCH, verbose=0)
+    directory = tmp_path_factory.mktemp("jobs") / "load"
+    directory.mkdir()
+    state = saveable_variables(net)
+    _engine().save(directory, state, background=False).wait(TIMEOUT_SECONDS)
+    (directory / "entries.json").write_text(json.dumps(_entries(state)))
+    return directory, state
+
+
+JOB = ["save", "load", "refit"]
+
+
+@pytest.fixture(scope="module")
+def job(one_process_save) -> tuple[dict[str, list[dict]], pathlib.Path]:
+    """The 2-process runs of the tests below in one job (each start-up costs
+    seconds: CI's time), each scenario's results and the job's directory:
+    `save` writes `save` there, `load` restores `load`, `refit` fits again."""
+    directory = one_process_save[0].parent
+    results = run_job(
+        "checkpoint_jax_worker.py",
+        [",".join(JOB), str(directory)],
+        processes=2,
+        env=TWO_BY_FOUR,
+        output_dir=directory / "job",
+    )
+    return {name: [result[name] for result in results] for name in JOB}, directory
+
+
+def test_two_processes_write_their_own_shards_restored_in_one(job):
     """A (2, 4) ModelParallel job of 2 processes x 4 devices whose `model` axis
     spans the processes: each process writes its half of the sharded kernel
     (the variables compared exactly: equal variables predict the same)."""
-    directory = tmp_path / "checkpoint"
-    results = run_job(
-        "checkpoint_jax_worker.py",
-        ["save", str(directory)],
-        processes=2,
-        env=TWO_BY_FOUR,
-        output_dir=tmp_path / "job",
-    )
+    results, directory = job[0]["save"], job[1] / "save"
     for result in results:
         assert result["kernel_shards"] == [[64, 128]]
     # The kernel and its 2 Adam slots: 3 x 64 x 256 float32 = 192 KiB, half
@@ -383,25 +412,9 @@ def test_two_processes_write_their_own_shards_restored_in_one(tmp_path):
     assert int(net.optimizer.iterations.numpy()) == 3
 
 
-def test_one_process_save_restored_in_two(tmp_path):
-    x, y = worker.data()
-    net = worker.model(seed=1)
-    steps = 3 * worker.BATCH
-    net.fit(x[:steps], y[:steps], batch_size=worker.BATCH, verbose=0)
-    directory = tmp_path / "checkpoint"
-    directory.mkdir()
-    state = saveable_variables(net)
-    _engine().save(directory, state, background=False).wait(TIMEOUT_SECONDS)
-    (directory / "entries.json").write_text(json.dumps(_entries(state)))
-
-    results = run_job(
-        "checkpoint_jax_worker.py",
-        ["load", str(directory)],
-        processes=2,
-        env=TWO_BY_FOUR,
-        output_dir=tmp_path / "job",
-    )
-    for result in results:
+def test_one_process_save_restored_in_two(one_process_save, job):
+    _, state = one_process_save
+    for result in job[0]["load"]:
         assert result["kernel_shards"] == [[64, 128]]
         _assert_values(state, result["values"])
 
@@ -473,17 +486,11 @@ def test_kd_checkpoint_and_restore_through_the_engine(tmp_path, background):
     assert int(restored.optimizer.iterations.numpy()) == 14
 
 
-def test_a_model_laid_out_across_processes_fits_again(tmp_path):
+def test_a_model_laid_out_across_processes_fits_again(job):
     """A second fit and a predict (each with its own DistributeCallback) of a
     model whose kernel spans the processes after the first fit, as after a
     `kd.restore` in a multi-process job: they train as one process does."""
-    results = run_job(
-        "checkpoint_jax_worker.py",
-        ["refit", str(tmp_path / "unused")],
-        processes=2,
-        env=TWO_BY_FOUR,
-        output_dir=tmp_path / "job",
-    )
+    results = job[0]["refit"]
     x, y = worker.data()
     net = worker.model()
     for _ in range(2):

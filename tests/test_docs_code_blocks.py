@@ -1,10 +1,13 @@
 """Every Python code block of the docs runs, or says why it cannot.
 
 Each ```python block of `docs/**/*.md` and `README.md` runs as a standalone
-script in a subprocess, in this suite's environment (the run's `KERAS_BACKEND`
-and `KERAS_DIST_CPU_DEVICES`: 8 simulated devices on JAX and TensorFlow, one
-process and one device on PyTorch), from an empty temporary directory, with a
-timeout; it must exit with status 0. One test per block, so xdist spreads them.
+script in a process of its own, in this suite's environment (the run's
+`KERAS_BACKEND` and `KERAS_DIST_CPU_DEVICES`: 8 simulated devices on JAX and
+TensorFlow, one process and one device on PyTorch), from an empty temporary
+directory, with a timeout; it must exit with status 0. The process is forked
+from one that has imported keras_dist, Keras and the backend and done nothing
+else (`tests/script_server.py`: the imports cost seconds a block). One test
+per block, so xdist spreads them.
 
 HTML comments on the lines right before a block (blank lines between them
 allowed; they do not show on the rendered page) say how to run it:
@@ -49,6 +52,8 @@ import zlib
 
 import keras
 import pytest
+
+from tests.script_server import ScriptServer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -176,28 +181,45 @@ def test_docs_have_python_blocks_and_every_marker_is_well_formed():
     assert problems == []
 
 
-def _run_block(block: Block, directory: pathlib.Path) -> subprocess.CompletedProcess:
-    source = block.code
-    if "run-with" in block.markers:
-        setup = (DOCS / block.markers["run-with"]).read_text()
-        source = f"{setup}\n# --- {block.name} ---\n{block.code}"
-    script = directory / "block.py"
-    script.write_text(source)
+def _block_environment() -> dict[str, str]:
     environment = dict(os.environ)
     environment.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     environment["MPLBACKEND"] = "Agg"
     environment["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(REPO), environment.get("PYTHONPATH")])
     )
-    return subprocess.run(
-        [sys.executable, str(script)],
-        cwd=directory,
-        env=environment,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=BLOCK_TIMEOUT_S,
-    )
+    return environment
+
+
+@pytest.fixture(scope="session")
+def script_server(tmp_path_factory):
+    """Started at the first block this test process runs, ended with the
+    session (`tests/script_server.py`)."""
+    servers: list[ScriptServer] = []
+
+    def get() -> ScriptServer:
+        if not servers:
+            log = tmp_path_factory.mktemp("script_server") / "server.log"
+            servers.append(ScriptServer(_block_environment(), log))
+        return servers[0]
+
+    yield get
+    for server in servers:
+        server.stop()
+
+
+def _run_block(
+    block: Block, directory: pathlib.Path, server: ScriptServer
+) -> subprocess.CompletedProcess:
+    """The block as `python block.py` from `directory`, in a process forked
+    from `server` (the imports done; see tests/script_server.py)."""
+    source = block.code
+    if "run-with" in block.markers:
+        setup = (DOCS / block.markers["run-with"]).read_text()
+        source = f"{setup}\n# --- {block.name} ---\n{block.code}"
+    script = directory / "block.py"
+    script.write_text(source)
+    return server.run(script, directory, timeout=BLOCK_TIMEOUT_S)
 
 
 def _blocks_to_run() -> list[Block]:
@@ -226,12 +248,12 @@ def _backends_of(block: Block) -> list[str]:
 
 
 @pytest.mark.parametrize("block", _blocks_to_run(), ids=lambda block: block.name)
-def test_docs_code_block_runs(block: Block, tmp_path: pathlib.Path):
+def test_docs_code_block_runs(block: Block, tmp_path: pathlib.Path, script_server):
     backend = keras.backend.backend()
     wanted = _backends_of(block)
     if backend not in wanted:
         pytest.skip(f"{block.name} runs on {wanted}; this run is {backend}")
-    result = _run_block(block, tmp_path)
+    result = _run_block(block, tmp_path, script_server())
     assert result.returncode == 0, (
         f"{block.name} exited with status {result.returncode} on {backend}.\n"
         f"--- stdout (tail) ---\n{result.stdout[-3000:]}\n"

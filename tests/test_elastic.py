@@ -220,7 +220,13 @@ def _wait_for(path, what: str, processes: list, seconds: float = 180) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.backend("torch", "jax", "tensorflow")
+# On JAX: there `fit`'s resume on another process count (2 -> 1 -> 2) runs
+# nowhere else (PyTorch's and TensorFlow's: test_checkpoint_jobs.py; the
+# elastic launcher on PyTorch: the test above). The launcher and its rendezvous
+# are the same code on every backend (the rendezvous alone: the tests below),
+# and each backend's ranks stop at the agreed step on SIGTERM
+# (test_fault_lifecycle.py). It passed on PyTorch and TensorFlow when written.
+@pytest.mark.backend("jax")
 def test_two_nodes_one_lost_the_other_goes_on_and_the_job_grows_back(tmp_path):
     """`--nnodes 1:2`, two nodes of one process each on this machine, meeting
     at a rendezvous on a free port. After step 5 node 1 is lost (its launcher

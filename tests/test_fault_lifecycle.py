@@ -235,6 +235,9 @@ def test_an_exception_on_one_rank_ends_the_job_naming_it(job, rank):
     started.assert_nothing_left()
 
 
+# Each rank's exception is its own (raised in its own code, whatever the
+# backend) and the launcher names both: the launcher's summary alone, once.
+@pytest.mark.backend_neutral
 def test_two_ranks_raising_in_their_own_code_are_two_failures(job):
     # Both ranks raise in their own callback at the same batch: neither
     # exception is a consequence of the other, whichever rank ends first.
@@ -326,6 +329,9 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_once(job):
     started.assert_nothing_left()
 
 
+# The kernel's parent-death signal (the launcher's) ends the ranks with a
+# SIGTERM, whose handling on each backend the test above proves: once.
+@pytest.mark.backend_neutral
 def test_sigkill_of_the_launcher_leaves_no_orphan(job):
     started = job("train")
     started.wait_until_training()
@@ -396,6 +402,8 @@ def test_a_job_without_the_launcher_reports_to_torchrun_and_cleans_up(tmp_path):
 
 
 # -- the launcher's root cause, with stand-in ranks (standard library only) -----
+# The tests from here on start no backend (the launcher, stand-in ranks, a rank
+# with keras_dist's package stubbed, functions): they run once (backend_neutral).
 # Each writes its error report as `keras_dist.faults.lifecycle` does.
 REPORTING_RANK = """
 import json, os, sys, time
@@ -426,6 +434,7 @@ def _launch_stand_ins(tmp_path, body: str) -> tuple[int, str]:
     return exit_code, stderr.getvalue()
 
 
+@pytest.mark.backend_neutral
 def test_the_first_rank_to_fail_is_named_with_its_exception(tmp_path):
     # Rank 1 raises first; rank 0's error is a consequence, reported later.
     exit_code, err = _launch_stand_ins(
@@ -448,6 +457,7 @@ def test_the_first_rank_to_fail_is_named_with_its_exception(tmp_path):
     )
 
 
+@pytest.mark.backend_neutral
 def test_ranks_that_failed_on_their_own_are_each_named(tmp_path):
     # Rank 1 raises first; rank 0 raises after it, but on its own (the
     # `on_its_own` of lifecycle's report): a failure, not a consequence.
@@ -475,6 +485,7 @@ def test_ranks_that_failed_on_their_own_are_each_named(tmp_path):
     ]
 
 
+@pytest.mark.backend_neutral
 def test_an_exception_is_not_reported_as_the_abort_it_caused(tmp_path):
     # Rank 0 reported, then hangs on its way out (as gloo's teardown did);
     # rank 1 aborts meanwhile and is the first to exit.
@@ -498,6 +509,7 @@ def test_an_exception_is_not_reported_as_the_abort_it_caused(tmp_path):
     )
 
 
+@pytest.mark.backend_neutral
 def test_a_launcher_removes_the_job_directories_of_killed_launchers(
     tmp_path, monkeypatch
 ):
@@ -607,6 +619,7 @@ def _assert_cleaned_up(state: pathlib.Path, *, unfinished_removed: bool) -> None
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.backend_neutral
 def test_a_stop_signal_ends_a_rank_blocked_in_c_and_cleans_up(tmp_path, signum):
     finished = subprocess.Popen([sys.executable, "-c", "pass"])
     finished.wait(timeout=60)
@@ -636,6 +649,7 @@ def test_a_stop_signal_ends_a_rank_blocked_in_c_and_cleans_up(tmp_path, signum):
     assert os.listdir(tmp_path / "tmp") == [running.name]
 
 
+@pytest.mark.backend_neutral
 def test_an_uncaught_exception_is_reported_and_ends_the_rank(tmp_path):
     job = tmp_path / "job"
     (job / "tmp-1").mkdir(parents=True)
@@ -669,6 +683,7 @@ def test_an_uncaught_exception_is_reported_and_ends_the_rank(tmp_path):
 
 
 @pytest.mark.parametrize("peer", ["running", "ended"])
+@pytest.mark.backend_neutral
 def test_a_runtime_error_is_a_failure_of_its_own_while_no_peer_has_ended(
     tmp_path, peer
 ):
@@ -697,6 +712,7 @@ def test_a_runtime_error_is_a_failure_of_its_own_while_no_peer_has_ended(
 
 
 @pytest.mark.parametrize("mode", ["announced-then-ended", "announced-only"])
+@pytest.mark.backend_neutral
 def test_an_exception_after_an_announced_end_is_a_consequence(tmp_path, mode):
     """A hang doctor announces exit code 124; the collective that fails because
     a peer ended first must not turn the rank's end into an error (exit 1)
@@ -734,10 +750,12 @@ def _raise_in_keras_dist() -> None:
     split_address("no port", name="coordinator")
 
 
+@pytest.mark.backend_neutral
 def test_an_exception_raised_in_the_programs_own_code_is_its_own():
     assert raised_in_own_code(_caught(_raise_value_error)) is True
 
 
+@pytest.mark.backend_neutral
 def test_an_exception_from_the_runtime_or_chained_to_one_is_not():
     def reraise(*, suppress: bool) -> None:
         try:
@@ -757,6 +775,7 @@ def test_an_exception_from_the_runtime_or_chained_to_one_is_not():
     assert raised_in_own_code(_caught(cause)) is False
 
 
+@pytest.mark.backend_neutral
 def test_a_runtime_error_is_its_own_failure_only_if_no_peer_had_ended():
     runtime_error = _caught(_raise_in_keras_dist)
     assert is_own_failure(runtime_error, peers_ended=[]) is True

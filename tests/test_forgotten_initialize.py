@@ -5,7 +5,7 @@ process 0: `fit`/`evaluate`/`predict` under keras_dist, `kd.Checkpoint` and
 (`keras_dist.runtime.join_check`). A process that is alone works unchanged.
 
 Runs under every backend: the in-process tests with the cluster's variables
-set in this process, the last one under the real `keras-dist launch`.
+set in this process; the last one, under the real `keras-dist launch`, once.
 """
 
 from __future__ import annotations
@@ -306,6 +306,10 @@ print("trained alone", flush=True)
 """
 
 
+# The check is keras_dist's own, before any backend joins anything (each
+# backend's `fit` reaching it runs above, in this process): under the real
+# launcher once.
+@pytest.mark.backend_neutral
 def test_launched_processes_that_forgot_initialize_fail_at_once(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(FORGETFUL_SCRIPT))

@@ -2,8 +2,9 @@
 
 Every compilation XLA makes over `fit` (3 epochs, validation data), `fit`
 again, `evaluate`, `predict`, `fit` and `predict` again is counted through
-`jax.monitoring` in a fresh process (`workers/compile_count_worker.py`), for
-plain Keras and for keras_dist, and compared: keras_dist compiles each of
+`jax.monitoring` in a fresh process (`workers/compile_count_worker.py`; the
+scenarios on 8 devices one after the other in one, each from emptied caches),
+for plain Keras and for keras_dist, and compared: keras_dist compiles each of
 `train_step`, `test_step` and `predict_step` once per input signature (no
 recompilation at an epoch's start, between calls or after `evaluate`), and no
 more programs than plain Keras. Before the fix a one-device mesh (one chip)
@@ -28,18 +29,21 @@ WORKER = Path(__file__).parent / "workers" / "compile_count_worker.py"
 STEPS = ("jit(train_step)", "jit(test_step)", "jit(predict_step)")
 
 
-def _counts(scenario: str, devices: int, tmp_path: Path) -> dict[str, dict]:
-    """Both candidates' counts, run side by side in fresh processes."""
+def _run(scenarios: list[str], devices: int, tmp_path: Path) -> dict[str, dict]:
+    """Both candidates' counts per scenario: the candidates side by side in
+    fresh processes, the scenarios one after the other in each (each counted
+    as in a process of its own: see the worker)."""
     env = dict(os.environ, KERAS_BACKEND="jax", KERAS_DIST_CPU_DEVICES=str(devices))
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(WORKER.parent), env.get("PYTHONPATH")])
     )
     running = {}
     for candidate in ("plain", "keras_dist"):
-        output = tmp_path / f"{scenario}-{candidate}.json"
+        output = tmp_path / f"{candidate}.json"
+        command = [sys.executable, str(WORKER), ",".join(scenarios), candidate]
         running[candidate] = (
             subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, candidate, str(output)],
+                [*command, str(output)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -47,13 +51,28 @@ def _counts(scenario: str, devices: int, tmp_path: Path) -> dict[str, dict]:
             ),
             output,
         )
-    results = {}
+    results: dict[str, dict] = {scenario: {} for scenario in scenarios}
     for candidate, (process, output) in running.items():
         log, _ = process.communicate(timeout=300)
         assert process.returncode == 0, log[-3000:]
-        results[candidate] = json.loads(output.read_text())
-        assert results[candidate]["devices"] == devices
+        for scenario, counted in json.loads(output.read_text()).items():
+            assert counted["devices"] == devices
+            results[scenario][candidate] = counted
     return results
+
+
+# The scenarios on 8 devices in one pair of processes (each start-up costs
+# seconds: CI's time).
+EIGHT_DEVICES = ["uneven_batch_norm", "steps_per_execution", "fsdp"]
+
+
+@pytest.fixture(scope="module")
+def eight_devices(tmp_path_factory) -> dict[str, dict]:
+    return _run(EIGHT_DEVICES, 8, tmp_path_factory.mktemp("eight_devices"))
+
+
+def _counts(scenario: str, devices: int, tmp_path: Path) -> dict[str, dict]:
+    return _run([scenario], devices, tmp_path)[scenario]
 
 
 def _steps(counts: dict[str, int]) -> dict[str, int]:
@@ -69,11 +88,11 @@ def test_one_device_mesh_compiles_each_step_once(tmp_path):
     assert sum(ours.values()) <= sum(plain.values()), (ours, plain)
 
 
-def test_uneven_batches_compile_once_per_batch_shape(tmp_path):
+def test_uneven_batches_compile_once_per_batch_shape(eight_devices):
     """8 devices, 100 rows in batches of 32: the last batch (4 rows, padded to
     8) is a second input signature, as the short batch is for plain Keras;
     BatchNormalization's global statistics add no program."""
-    results = _counts("uneven_batch_norm", 8, tmp_path)
+    results = eight_devices["uneven_batch_norm"]
     ours, plain = results["keras_dist"]["compiles"], results["plain"]["compiles"]
     assert _steps(ours) == dict.fromkeys(STEPS, 2), ours
     assert _steps(ours) == _steps(plain)
@@ -82,18 +101,18 @@ def test_uneven_batches_compile_once_per_batch_shape(tmp_path):
     assert results["keras_dist"]["rows_predicted"] == 100
 
 
-def test_steps_per_execution_compiles_each_step_once(tmp_path):
-    results = _counts("steps_per_execution", 8, tmp_path)
+def test_steps_per_execution_compiles_each_step_once(eight_devices):
+    results = eight_devices["steps_per_execution"]
     ours, plain = results["keras_dist"]["compiles"], results["plain"]["compiles"]
     assert _steps(ours) == dict.fromkeys(STEPS, 1), ours
     assert sum(ours.values()) <= sum(plain.values()), (ours, plain)
 
 
-def test_split_variables_compile_each_step_once(tmp_path):
+def test_split_variables_compile_each_step_once(eight_devices):
     """`kd.FSDP` on 8 devices, the model built before: besides plain Keras'
     programs only the slicing that splits the existing variables once, when
     the run starts (one program per variable shape)."""
-    results = _counts("fsdp", 8, tmp_path)
+    results = eight_devices["fsdp"]
     ours, plain = results["keras_dist"]["compiles"], results["plain"]["compiles"]
     assert _steps(ours) == dict.fromkeys(STEPS, 1), ours
     extra = {

@@ -189,6 +189,9 @@ _ENV = {
     "tensorflow": {"KERAS_BACKEND": "tensorflow", "KERAS_DIST_CPU_DEVICES": "2"},
 }
 _KERAS_DIST_ENTRIES = ["callback", "trainer", "trainer_global"]
+# PyTorch's other jobs (a plain model under a global policy, a model built in a
+# model-parallel scope) run after those in the same job: one start-up.
+_TORCH_ENTRIES = ["plain_global", "model_parallel_scope"]
 
 
 @pytest.fixture(scope="module")
@@ -231,16 +234,23 @@ def _assert_each_row_once(results: list[dict], phase: str, ids: range) -> None:
     assert max(sizes) - min(sizes) <= 1 and min(sizes) > 0, (phase, sizes)
 
 
-def test_a_two_process_job_does_everything_once(plain_keras, tmp_path):
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each entry's results, one per process, from one 2-process job."""
+    entries = _KERAS_DIST_ENTRIES + (_TORCH_ENTRIES if BACKEND == "torch" else [])
+    results = _job(",".join(entries), tmp_path_factory.mktemp("keras_versions"))
+    return {entry: [result[entry] for result in results] for entry in entries}
+
+
+def test_a_two_process_job_does_everything_once(plain_keras, job):
     """2 processes (JAX and TensorFlow: 2 devices each, 4 replicas), each way
     the distribution reaches `fit` in turn (one job: one start-up): every row
     read once across the processes, the metric states summed once (a row
     count logs 24 and 17, not 48 and 34), predict and evaluate inside the run
     whole, and the same training as plain Keras on one device."""
-    jobs = _job(",".join(_KERAS_DIST_ENTRIES), tmp_path)
     for entry in _KERAS_DIST_ENTRIES:
         try:
-            _assert_everything_once([job[entry] for job in jobs], plain_keras)
+            _assert_everything_once(job[entry], plain_keras)
         except AssertionError as error:
             raise AssertionError(f"entry {entry!r}: {error}") from error
 
@@ -282,15 +292,12 @@ def _assert_everything_once(results: list[dict], plain_keras: dict) -> None:
 
 
 @pytest.mark.backend("torch")
-def test_a_plain_model_under_a_global_policy_is_keras_own_ddp_once(
-    plain_keras, tmp_path
-):
+def test_a_plain_model_under_a_global_policy_is_keras_own_ddp_once(plain_keras, job):
     """`kd.set_distribution` then a plain model's `fit`: Keras drives (3.16:
     its own DDP; 3.15: nothing). Its adapters do not shard keras_dist's policy
     (every process reads all rows), so the processes run the same steps: no
     hang (3.16 sharded 3 batches 2 + 1), one-device training."""
-    results = _job("plain_global", tmp_path)
-    for result in results:
+    for result in job["plain_global"]:
         difference = _max_difference(result["weights"], plain_keras["weights"])
         assert difference <= 1e-5
         assert result["torch"]["ddp_wrappers"] == (1 if NEWER else 0)
@@ -299,15 +306,14 @@ def test_a_plain_model_under_a_global_policy_is_keras_own_ddp_once(
 
 @pytest.mark.backend("torch")
 def test_a_model_built_in_a_model_parallel_scope_trains_as_on_keras_3_15(
-    plain_keras, tmp_path
+    plain_keras, job
 ):
     """Built inside a sharding `kd.ModelParallel`'s scope, the variables stay
     plain (Keras 3.16 would make them DTensors from a layout keras_dist's are
     not: "'tuple' object has no attribute 'device_mesh'"); the run lays them
     out (the hidden kernel split along the model axis), outside Keras' DTensor
     promotion mode, with the metric states global and not summed again."""
-    results = _job("model_parallel_scope", tmp_path)
-    for result in results:
+    for result in job["model_parallel_scope"]:
         assert result["model_parallel"] == {
             "kernel_built_as": "Parameter",
             "promotion_mode": False,

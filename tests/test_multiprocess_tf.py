@@ -18,13 +18,23 @@ pytestmark = pytest.mark.backend("tensorflow")
 TF = {"KERAS_BACKEND": "tensorflow"}
 
 
+# The 2-worker runs of this module's tests in one job (each start-up costs
+# seconds: CI's time): the shuffled ids first, then the training, and last the
+# different data, which ends in an error.
+JOB = "ids,train,different_data"
+
+
 @pytest.fixture(scope="module")
-def two_workers(tmp_path_factory):
+def job(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("tf_two")
-    results = run_job(
-        "tf_worker.py", ["train"], processes=2, env=TF, output_dir=output_dir
-    )
+    results = run_job("tf_worker.py", [JOB], processes=2, env=TF, output_dir=output_dir)
     return results, output_dir
+
+
+@pytest.fixture(scope="module")
+def two_workers(job):
+    results, output_dir = job
+    return [result["train"] for result in results], output_dir
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +86,8 @@ def test_only_worker_zero_prints(two_workers):
     assert "loss" not in log_of(output_dir, 1)
 
 
-def test_shuffled_arrays_give_each_sample_to_one_worker_per_epoch(tmp_path):
-    results = run_job("tf_worker.py", ["ids"], processes=2, env=TF, output_dir=tmp_path)
+def test_shuffled_arrays_give_each_sample_to_one_worker_per_epoch(job):
+    results = [result["ids"] for result in job[0]]
     assert_each_sample_once_per_epoch(results, 37)
     # Reshuffled each epoch exactly when plain Keras of this release
     # reshuffles (3.15 does; 3.16 draws one order, fixed when its dataset is
@@ -87,11 +97,8 @@ def test_shuffled_arrays_give_each_sample_to_one_worker_per_epoch(tmp_path):
     assert (results[0]["ids"][0] != results[0]["ids"][1]) == reshuffles
 
 
-def test_workers_reading_different_data_fail_naming_them(tmp_path):
-    results = run_job(
-        "tf_worker.py", ["different_data"], processes=2, env=TF, output_dir=tmp_path
-    )
-    for result in results:
+def test_workers_reading_different_data_fail_naming_them(job):
+    for result in [result["different_data"] for result in job[0]]:
         assert result["error"] is not None
         assert "Processes [1] read different input than process 0" in result["error"]
 

@@ -15,6 +15,9 @@ Usage: python checkpoint_jax_worker.py SCENARIO CHECKPOINT_DIR OUTPUT_JSON
 - `load` (2 processes x 4 devices): restores CHECKPOINT_DIR (written by one
   process, with its entries in `entries.json`) into the same layout and
   writes the full restored values.
+- `save,load,refit` (any of these, comma-separated): each in turn in one job,
+  `save` into CHECKPOINT_DIR/save, `load` from CHECKPOINT_DIR/load; the JSON
+  holds each one's result under its name.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def gathered(state: dict) -> dict:
     }
 
 
-def refit(output: Path) -> None:
+def refit() -> dict:
     """Two fits and a predict, each with its own DistributeCallback, of a
     model whose variables span the processes after the first."""
     x, y = data()
@@ -143,31 +146,17 @@ def refit(output: Path) -> None:
         x[:BATCH], verbose=0, callbacks=[kd.DistributeCallback(model_parallel())]
     )
     kernel = net.get_layer("hidden").kernel.value
-    output.write_text(
-        json.dumps(
-            {
-                "kernel_shards": sorted(
-                    {tuple(s.data.shape) for s in kernel.addressable_shards}
-                ),
-                "predictions": np.asarray(predictions).tolist(),
-                "iterations": int(net.optimizer.iterations.value),
-                "values": gathered(saveable_variables(net)),
-            }
-        )
-    )
+    return {
+        "kernel_shards": sorted(
+            {tuple(s.data.shape) for s in kernel.addressable_shards}
+        ),
+        "predictions": np.asarray(predictions).tolist(),
+        "iterations": int(net.optimizer.iterations.value),
+        "values": gathered(saveable_variables(net)),
+    }
 
 
-def main(scenario: str, directory: Path, output: Path) -> None:
-    if scenario == "kill":
-        kill(directory)
-        return
-    if scenario == "read":
-        read(directory, output)
-        return
-    kd.initialize()
-    if scenario == "refit":
-        refit(output)
-        return
+def save_or_load(scenario: str, directory: Path) -> dict:
     callbacks = [kd.DistributeCallback(model_parallel())]
     if scenario == "load":
         callbacks.append(LoadAtTrainEnd(directory))
@@ -196,7 +185,32 @@ def main(scenario: str, directory: Path, output: Path) -> None:
         {tuple(s.data.shape) for s in kernel.addressable_shards}
     )
     result["values"] = gathered(state)
-    output.write_text(json.dumps(result))
+    return result
+
+
+def main(scenario: str, directory: Path, output: Path) -> None:
+    if scenario == "kill":
+        kill(directory)
+        return
+    if scenario == "read":
+        read(directory, output)
+        return
+    kd.initialize()
+    if "," not in scenario:
+        result = refit() if scenario == "refit" else save_or_load(scenario, directory)
+        output.write_text(json.dumps(result))
+        return
+    # Several scenarios in turn in one job (one start-up: CI's time), each
+    # from a cleared Keras session, each with its directory in CHECKPOINT_DIR
+    # (`save` writes CHECKPOINT_DIR/save, `load` reads CHECKPOINT_DIR/load).
+    results = {}
+    for name in scenario.split(","):
+        keras.backend.clear_session()
+        if name == "refit":
+            results[name] = refit()
+        else:
+            results[name] = save_or_load(name, directory / name)
+    output.write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 """Counts JAX's compilations over a run of Keras calls, in a fresh process.
 
-Usage: python compile_count_worker.py SCENARIO CANDIDATE OUTPUT_JSON
+Usage: python compile_count_worker.py SCENARIO[,SCENARIO...] CANDIDATE OUTPUT_JSON
 
 CANDIDATE is `plain` (Keras with no distribution) or `keras_dist`; SCENARIO
-one of `SCENARIOS` (`KERAS_DIST_CPU_DEVICES` sets the devices). The calls:
+one of `SCENARIOS` (`KERAS_DIST_CPU_DEVICES` sets the devices); several run
+one after the other, each from a cleared Keras session and emptied JAX caches,
+counted on their own (one start-up). The calls:
 `fit` of 3 epochs with validation data, `fit` again, `evaluate`, `predict`,
 `fit` again, `predict` again. Every compilation XLA makes in them is counted
 through `jax.monitoring` (its backend-compile event, named by the function),
 so that a recompilation at an epoch's start, between two calls or after
-`evaluate` shows. Writes the counts by function name.
+`evaluate` shows. Writes the counts by function name, per scenario.
 """
 
 from __future__ import annotations
@@ -63,9 +65,22 @@ def build(batch_norm: bool, steps: int) -> keras.Model:
 
 
 def main() -> None:
-    scenario, candidate, output = sys.argv[1], sys.argv[2], sys.argv[3]
-    settings = SCENARIOS[scenario]
+    scenarios, candidate, output = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
     jax.monitoring.register_event_duration_secs_listener(_listen)
+    results = {}
+    for scenario in scenarios:
+        # Each scenario as in a process of its own: a cleared Keras session,
+        # no program compiled (JAX's in-memory caches emptied), none counted.
+        keras.backend.clear_session()
+        jax.clear_caches()
+        COMPILES.clear()
+        results[scenario] = run(scenario, candidate)
+    with open(output, "w") as file:
+        json.dump(results, file)
+
+
+def run(scenario: str, candidate: str) -> dict:
+    settings = SCENARIOS[scenario]
     rng = np.random.default_rng(0)
     x = rng.normal(size=(settings["rows"], 16)).astype("float32")
     y = rng.integers(0, 8, size=(settings["rows"],)).astype("int32")
@@ -82,16 +97,12 @@ def main() -> None:
     model.predict(x, **fit)
     model.fit(x, y, epochs=1, **fit)
     predictions = model.predict(x, **fit)
-    with open(output, "w") as file:
-        json.dump(
-            {
-                "devices": jax.device_count(),
-                "compiles": dict(COMPILES),
-                "before_calls": before,
-                "rows_predicted": int(predictions.shape[0]),
-            },
-            file,
-        )
+    return {
+        "devices": jax.device_count(),
+        "compiles": dict(COMPILES),
+        "before_calls": before,
+        "rows_predicted": int(predictions.shape[0]),
+    }
 
 
 if __name__ == "__main__":

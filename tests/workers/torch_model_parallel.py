@@ -247,8 +247,12 @@ def run(scenario: str) -> dict:
         # reduce-scattered from its own whole tensor, beside the bundled ones.
         from keras_dist.backends.torch import fsdp_compute
 
+        own_collective_bytes = fsdp_compute._OWN_COLLECTIVE_BYTES
         fsdp_compute._OWN_COLLECTIVE_BYTES = 0
-        return train(sharded=True, batch=kd.num_processes(), fsdp=True)
+        try:
+            return train(sharded=True, batch=kd.num_processes(), fsdp=True)
+        finally:  # for the scenarios after this one in the same job
+            fsdp_compute._OWN_COLLECTIVE_BYTES = own_collective_bytes
     if scenario == "model_parallel_fsdp_2x2":
         return train(sharded=True, batch=2, fsdp=True)
     if scenario == "model_parallel_reference":

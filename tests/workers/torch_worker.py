@@ -215,8 +215,14 @@ def main() -> None:
     scenarios_given, output = sys.argv[1], sys.argv[2]
     if "," in scenarios_given:
         # Several scenarios in turn in one job (one start-up: CI's time); the
-        # result holds each one's under its name.
-        result = {name: run(name, output) for name in scenarios_given.split(",")}
+        # result holds each one's under its name. Each starts from a cleared
+        # Keras session: its models and layers get the names they would get in
+        # a process of their own ("sequential", "dense"), which LayoutMap keys
+        # and the tests' checks name.
+        result = {}
+        for name in scenarios_given.split(","):
+            keras.backend.clear_session()
+            result[name] = run(name, output)
     else:
         result = run(scenarios_given, output)
     result["process_id"] = kd.process_id()
