@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from keras_dist.cluster import find_free_port
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
+# Runs several scripts one after the other in one job (see its docstring).
+RUN_SCRIPTS = WORKERS / "run_scripts.py"
+_RUN_MARK = re.compile(r"^\[rank (\d)\] script run (\d+)$")
+_RANK_LINE = re.compile(r"^\[rank (\d)\] ")
 
 
 def run_job(
@@ -129,3 +137,48 @@ def assert_own_data_parity(results: list[dict], reference: dict) -> None:
             np.testing.assert_allclose(result["history"][key], values, atol=1e-5)
         assert result["predictions_match"]
     assert [r["rows"] for r in results] == [19, 18]
+
+
+def runs_of(stdout: str) -> dict[int, str]:
+    """The stdout lines of each script of a launched `RUN_SCRIPTS` job (each
+    with its `[rank N] ` label), by the script's index."""
+    current: dict[int, int] = {}
+    runs: dict[int, list[str]] = {}
+    for line in stdout.splitlines():
+        mark = _RUN_MARK.match(line)
+        if mark:
+            current[int(mark[1])] = int(mark[2])
+            continue
+        rank = _RANK_LINE.match(line)
+        if rank and int(rank[1]) in current:
+            runs.setdefault(current[int(rank[1])], []).append(line)
+    return {index: "\n".join(lines) for index, lines in runs.items()}
+
+
+def once_per_run(tmp_path_factory, name: str, compute: Callable[[pathlib.Path], Any]):
+    """`compute(directory)` once per test run, by whichever xdist worker asks
+    first; a worker asking later waits for it and reads its result (JSON).
+
+    For the module fixtures that start jobs: xdist may give a module's tests to
+    both workers (a steal can split a module), and each worker would run the
+    job again. `directory` is shared by the workers (the run's base
+    temporary directory); the result must be JSON (lists come back for tuples).
+    """
+    directory = once_directory(tmp_path_factory, name)
+    with open(directory.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = directory / "result.json"
+        if done.exists():
+            return json.loads(done.read_text())
+        directory.mkdir(exist_ok=True)
+        result = compute(directory)
+        done.write_text(json.dumps(result))
+        return result
+
+
+def once_directory(tmp_path_factory, name: str) -> pathlib.Path:
+    """The directory `once_per_run(..., name, ...)` gives its computation."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's, above each worker's own
+    return root / f"once-{name}"

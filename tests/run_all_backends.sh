@@ -23,6 +23,12 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
   export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
 fi
+# One thread per process for the CPU math of torch (OpenMP) and of the BLAS
+# libraries: the two xdist workers and the processes of the jobs they start
+# already fill the cores, and threads beyond them only wait for each other.
+# Measured on the PyTorch multi-process modules (test_multiprocess_torch.py,
+# test_fault_lifecycle.py): 406 s -> 364 s of test time.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 for backend in jax tensorflow torch; do
   echo "=== KERAS_BACKEND=$backend ==="
   # JAX: 8 simulated devices; TensorFlow: 4 logical CPU devices (each replica

@@ -35,17 +35,29 @@ def worker():
 
 
 @pytest.fixture(scope="module")
-def saved_by_two(tmp_path_factory):
+def job(tmp_path_factory, saved_here) -> tuple[list[list[dict]], pathlib.Path]:
+    """The 2-process runs of this module in one job (each start-up costs
+    seconds: CI's time): the save, then the restores of both checkpoints
+    written here; each process' results in that order, and the save's
+    directory."""
     output_dir = tmp_path_factory.mktemp("checkpoint_torch_save")
     directory = output_dir / "checkpoints"
+    restored = [str(saved_here[background]["directory"]) for background in BACKGROUND]
+    scenarios = ["save"] + ["restore"] * len(restored)
     results = run_job(
         "checkpoint_torch_worker.py",
-        ["save", str(directory)],
+        [",".join(scenarios), ",".join([str(directory), *restored])],
         processes=2,
         env=TORCH,
         output_dir=output_dir,
     )
     return results, directory
+
+
+@pytest.fixture(scope="module")
+def saved_by_two(job):
+    results, directory = job
+    return [runs[0] for runs in results], directory
 
 
 def _state(worker, seed=77):
@@ -127,8 +139,24 @@ def test_model_parallel_each_process_writes_its_shards(saved_by_two):
     }
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["background", "blocking"])
-def saved_by_one(request, tmp_path_factory, engine, worker):
+BACKGROUND = [True, False]
+
+
+@pytest.fixture(scope="module")
+def saved_here(tmp_path_factory, engine, worker) -> dict[bool, dict]:
+    """`_save_here` with and without a background save."""
+    return {
+        background: _save_here(background, tmp_path_factory, engine, worker)
+        for background in BACKGROUND
+    }
+
+
+@pytest.fixture(scope="module", params=BACKGROUND, ids=["background", "blocking"])
+def saved_by_one(request, saved_here):
+    return saved_here[request.param]
+
+
+def _save_here(background: bool, tmp_path_factory, engine, worker) -> dict:
     """Trained 2 epochs under a one-process DataParallel, saved here."""
     import keras  # noqa: PLC0415
 
@@ -149,13 +177,14 @@ def saved_by_one(request, tmp_path_factory, engine, worker):
     )
     state = saveable_variables(model)
     expected = {k: np.asarray(v).copy() for k, v in state.items()}
-    pending = engine.save(directory, state, background=request.param)
+    pending = engine.save(directory, state, background=background)
     # Captured: changing the variables now does not reach the checkpoint.
     model.layers[0].kernel.assign(keras.ops.zeros_like(model.layers[0].kernel))
     pending.wait(60)
     assert pending.done()
     model.layers[0].kernel.assign(expected[KERNEL])
     return {
+        "background": background,
         "directory": directory,
         "entries": worker.entries_of(state),
         "values": expected,
@@ -175,16 +204,12 @@ def test_written_by_one_restored_in_one(saved_by_one, engine, worker):
     assert _iterations(model) == saved_by_one["iterations"] == 6
 
 
-def test_written_by_one_restored_in_two(saved_by_one, tmp_path):
+def test_written_by_one_restored_in_two(saved_by_one, job):
     """Into ModelParallel (DCP reads each process' shard; and full arrays
     through read_arrays + assign_arrays) and into DDP."""
-    results = run_job(
-        "checkpoint_torch_worker.py",
-        ["restore", str(saved_by_one["directory"])],
-        processes=2,
-        env=TORCH,
-        output_dir=tmp_path,
-    )
+    # The job's runs: the save, then a restore of each checkpoint written here.
+    index = 1 + BACKGROUND.index(saved_by_one["background"])
+    results = [runs[index] for runs in job[0]]
     metric_keys = sorted(k for k in saved_by_one["values"] if k.startswith("metrics/"))
     assert metric_keys
     for rank, result in enumerate(results):

@@ -5,6 +5,8 @@ tiny KerasHub Gemma under FSDP x tensor parallelism on a (1, 2) mesh with
 `remat="full"` and bfloat16 compute, `kd.Checkpoint` during `fit`: both
 processes generate the same tokens from the trained model and from a fresh
 one restored onto a (2, 1) mesh; with `--lora` only the LoRA factors train.
+Both runs in one job, one after the other, each as its command line runs it
+(`tests/workers/run_scripts.py`: one start-up).
 TensorFlow shards no variables: `--data-parallel` runs the recipe there, and
 FSDP with KerasHub's map is refused, naming what runs instead. On JAX the
 page's code blocks run the recipe (tests/test_docs_code_blocks.py).
@@ -20,6 +22,7 @@ import ast
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 import warnings
@@ -29,6 +32,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+from tests.multiprocess import RUN_SCRIPTS, once_per_run, runs_of
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "fine_tune_llm.py"
@@ -59,7 +63,9 @@ def _environment(backend: str, devices: int | None) -> dict[str, str]:
     return env
 
 
-def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+def _run(
+    command: list[str], env: dict[str, str], timeout: float = 300
+) -> subprocess.CompletedProcess:
     result = subprocess.run(
         command,
         cwd=REPO_ROOT,
@@ -67,7 +73,7 @@ def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
@@ -95,28 +101,45 @@ def _report(stdout: str) -> dict[int, dict]:
     return ranks
 
 
-def _launch_torch(tmp_path: pathlib.Path, *options: str) -> dict[int, dict]:
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
+    """The recipe's two PyTorch runs, full fine-tuning then `--lora`, each as
+    its command line runs it, one after the other in one job under
+    `keras-dist launch --nproc-per-node 2` (`tests/workers/run_scripts.py`:
+    one start-up); each run's report, checked alike."""
     _keras_hub_or_skip()
     command = [sys.executable, "-m", "keras_dist", "launch", "--nproc-per-node", "2"]
-    result = _run(
-        [
-            *command,
-            str(EXAMPLE),
-            "--steps",
-            "2",
-            "--directory",
-            str(tmp_path),
-            *options,
-        ],
-        _environment("torch", None),
-    )
-    report = _report(result.stdout)
-    assert sorted(report) == [0, 1], result.stdout[-3000:]
+    runs = {"full": [], "lora": ["--lora"]}
+
+    def launch(directory: pathlib.Path) -> str:
+        scripts = [
+            shlex.join(
+                [str(EXAMPLE), "--steps", "2", "--directory", str(directory / name)]
+                + more
+            )
+            for name, more in runs.items()
+        ]
+        result = _run(
+            [*command, str(RUN_SCRIPTS), *scripts],
+            _environment("torch", None),
+            timeout=600,
+        )
+        return result.stdout
+
+    stdout = once_per_run(tmp_path_factory, "fine_tune_torch", launch)
+    outputs = runs_of(stdout)
+    assert sorted(outputs) == [0, 1], stdout[-3000:]
+    return {name: _checked_report(outputs[index]) for index, name in enumerate(runs)}
+
+
+def _checked_report(stdout: str) -> dict[int, dict]:
+    report = _report(stdout)
+    assert sorted(report) == [0, 1], stdout[-3000:]
     for rank in (0, 1):
-        assert report[rank]["step"] == 2, result.stdout[-3000:]
-        assert report[rank]["restored"] == report[rank]["trained"], result.stdout
+        assert report[rank]["step"] == 2, stdout[-3000:]
+        assert report[rank]["restored"] == report[rank]["trained"], stdout
         assert report[rank] == report[0]
-    assert "plan on {'batch': 1, 'model': 2}" in result.stdout
+    assert "plan on {'batch': 1, 'model': 2}" in stdout
     tokens = np.asarray(report[0]["trained"])
     assert tokens.shape == (4, 12)
     # The prompts are kept and followed by tokens the model chose.
@@ -126,18 +149,16 @@ def _launch_torch(tmp_path: pathlib.Path, *options: str) -> dict[int, dict]:
 
 @pytest.mark.backend("torch")
 def test_torch_full_fine_tune_generates_the_same_after_restoring_onto_another_mesh(
-    tmp_path,
+    torch_runs,
 ):
-    report = _launch_torch(tmp_path)
-    trained = report[0]["variables"]
+    trained = torch_runs["full"][0]["variables"]
     # Every weight trains: 9 per decoder block, the final norm, the embeddings.
     assert len(trained) == 20 and "token_embedding/embeddings" in trained, trained
 
 
 @pytest.mark.backend("torch")
-def test_torch_lora_fine_tune_trains_only_the_lora_factors(tmp_path):
-    report = _launch_torch(tmp_path, "--lora")
-    trained = report[0]["variables"]
+def test_torch_lora_fine_tune_trains_only_the_lora_factors(torch_runs):
+    trained = torch_runs["lora"][0]["variables"]
     # Query and value, factors a and b, in each of the 2 decoder blocks.
     assert len(trained) == 8, trained
     assert all(re.search(r"/(query|value)/lora_kernel_[ab]$", p) for p in trained)

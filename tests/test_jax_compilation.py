@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.multiprocess import once_per_run
+
 pytestmark = pytest.mark.backend("jax")
 
 WORKER = Path(__file__).parent / "workers" / "compile_count_worker.py"
@@ -68,7 +70,11 @@ EIGHT_DEVICES = ["uneven_batch_norm", "steps_per_execution", "fsdp"]
 
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory) -> dict[str, dict]:
-    return _run(EIGHT_DEVICES, 8, tmp_path_factory.mktemp("eight_devices"))
+    return once_per_run(
+        tmp_path_factory,
+        "jax_compile_counts",
+        lambda directory: _run(EIGHT_DEVICES, 8, directory),
+    )
 
 
 def _counts(scenario: str, devices: int, tmp_path: Path) -> dict[str, dict]:

@@ -23,7 +23,7 @@ from keras_dist.backends import get_adapter
 from keras_dist.cluster import find_free_port
 from keras_dist.common import job
 from keras_dist.runtime import api as runtime
-from tests.multiprocess import WORKERS, run_job, wait_then_clean_up
+from tests.multiprocess import WORKERS, once_per_run, run_job, wait_then_clean_up
 from tests.workers import keras_api_scenarios as scenarios
 
 BACKEND = keras.backend.backend()
@@ -165,17 +165,38 @@ def test_short_layouts_train_like_one_device_on_jax():
         assert tuple(slot.value.sharding.spec) == ("model", None)
 
 
-@pytest.mark.backend("torch")
-def test_short_layouts_train_like_one_device_on_torch_dtensor(tmp_path):
-    reference = scenarios.fit_classifier(scenarios.classifier(), [])
-    results = run_job(
-        "keras_api_worker.py",
-        ["short_layouts"],
-        processes=2,
-        env={"KERAS_BACKEND": "torch"},
-        output_dir=tmp_path,
+_TWO_PROCESS_ENV = {
+    "jax": {"KERAS_BACKEND": "jax", "KERAS_DIST_CPU_DEVICES": "1"},
+    "torch": {"KERAS_BACKEND": "torch"},
+    "tensorflow": {"KERAS_BACKEND": "tensorflow"},
+}
+
+
+@pytest.fixture(scope="module")
+def two_process_job(tmp_path_factory) -> dict[str, list[dict]]:
+    """This module's 2-process runs in one job (each start-up costs seconds:
+    CI's time), each scenario's results by name."""
+    names = ["distribute_dataset"] + (["short_layouts"] if BACKEND == "torch" else [])
+    results = once_per_run(
+        tmp_path_factory,
+        "keras_api_job",
+        lambda directory: run_job(
+            "keras_api_worker.py",
+            [",".join(names)],
+            processes=2,
+            env=_TWO_PROCESS_ENV[BACKEND],
+            output_dir=directory,
+        ),
     )
-    for result in results:
+    if len(names) == 1:
+        return {names[0]: results}
+    return {name: [result[name] for result in results] for name in names}
+
+
+@pytest.mark.backend("torch")
+def test_short_layouts_train_like_one_device_on_torch_dtensor(two_process_job):
+    reference = scenarios.fit_classifier(scenarios.classifier(), [])
+    for result in two_process_job["short_layouts"]:
         for ours, expected in zip(result["weights"], reference, strict=True):
             np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
         # Each process held half the rows of the mapped kernels: replicated
@@ -245,21 +266,10 @@ def test_distribute_dataset_inside_keras_data_adapter_is_unchanged(two_processes
     assert adapter.get_tf_dataset() is dataset
 
 
-_TWO_PROCESS_ENV = {
-    "jax": {"KERAS_BACKEND": "jax", "KERAS_DIST_CPU_DEVICES": "1"},
-    "torch": {"KERAS_BACKEND": "torch"},
-    "tensorflow": {"KERAS_BACKEND": "tensorflow"},
-}
-
-
-def test_distribute_dataset_gives_each_process_its_part_in_a_real_job(tmp_path):
-    results = run_job(
-        "keras_api_worker.py",
-        ["distribute_dataset"],
-        processes=2,
-        env=_TWO_PROCESS_ENV[BACKEND],
-        output_dir=tmp_path,
-    )
+def test_distribute_dataset_gives_each_process_its_part_in_a_real_job(
+    two_process_job,
+):
+    results = two_process_job["distribute_dataset"]
     x, y = scenarios.regression_data()
     ids = x[:, 0].tolist()
     assert [result["processes"] for result in results] == [2, 2]

@@ -19,7 +19,7 @@ import keras_dist as kd
 from keras_dist.keras_compat import data_adapters, epoch_iterator, versions
 from keras_dist.runtime import api as runtime
 from tests.conftest import BACKEND
-from tests.multiprocess import run_job
+from tests.multiprocess import once_per_run, run_job
 from tests.workers import keras_versions_scenarios as scenarios
 
 NEWER = versions.keras_version() >= (3, 16)
@@ -238,7 +238,11 @@ def _assert_each_row_once(results: list[dict], phase: str, ids: range) -> None:
 def job(tmp_path_factory) -> dict[str, list[dict]]:
     """Each entry's results, one per process, from one 2-process job."""
     entries = _KERAS_DIST_ENTRIES + (_TORCH_ENTRIES if BACKEND == "torch" else [])
-    results = _job(",".join(entries), tmp_path_factory.mktemp("keras_versions"))
+    results = once_per_run(
+        tmp_path_factory,
+        "keras_versions",
+        lambda directory: _job(",".join(entries), directory),
+    )
     return {entry: [result[entry] for result in results] for entry in entries}
 
 

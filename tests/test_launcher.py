@@ -581,28 +581,10 @@ def test_cli_usage_errors_exit_with_code_2(tmp_path, capfd, argv, received):
 
 
 # -- a real engine -------------------------------------------------------------
-@pytest.mark.backend("jax")
-def test_launched_jax_processes_join_one_job(tmp_path):
-    script = write_script(
-        tmp_path,
-        """
-        import keras_dist as kd
-        kd.initialize()
-        print(kd.num_processes(), kd.process_id())
-        """,
-    )
-    env = {**os.environ, "KERAS_BACKEND": "jax", "KERAS_DIST_CPU_DEVICES": "1"}
-
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_dist", "launch", "--nproc-per-node", "2", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=180,
-    )
-
-    assert result.returncode == 0, result.stderr
-    assert rank_lines(result.stdout) == {0: ["2 0"], 1: ["2 1"]}
+# Processes of a real backend started by `keras-dist launch` join one job: the
+# launched jobs of test_checkpoint_jobs.py (JAX: both ranks save at one agreed
+# step and exit 75 together) and test_elastic.py (JAX: "saved by 2
+# process(es)"), and each backend's launched ranks in test_fault_lifecycle.py.
 
 
 # -- a lost rank is the root cause, the others' noise its consequence (issue 25, 10)

@@ -18,6 +18,8 @@ from tests.multiprocess import (
     assert_each_input_type_once_per_epoch,
     assert_own_data_parity,
     log_of,
+    once_directory,
+    once_per_run,
     run_job,
 )
 
@@ -38,11 +40,14 @@ JOB = "every_kind,train,own_data,different_data"
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("two_processes")
-    results = run_job(
-        "jax_worker.py", [JOB], processes=2, env=TWO_BY_TWO, output_dir=output_dir
+    results = once_per_run(
+        tmp_path_factory,
+        "jax_two_processes",
+        lambda directory: run_job(
+            "jax_worker.py", [JOB], processes=2, env=TWO_BY_TWO, output_dir=directory
+        ),
     )
-    return results, output_dir
+    return results, once_directory(tmp_path_factory, "jax_two_processes")
 
 
 def test_every_sample_once_per_epoch_across_processes(job):
@@ -62,13 +67,16 @@ def two_process_training(job):
 
 @pytest.fixture(scope="module")
 def one_process_training(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("one_process")
-    (result,) = run_job(
-        "jax_worker.py",
-        ["train,own_data_reference"],
-        processes=1,
-        env=ONE_BY_FOUR,
-        output_dir=output_dir,
+    (result,) = once_per_run(
+        tmp_path_factory,
+        "jax_one_process",
+        lambda directory: run_job(
+            "jax_worker.py",
+            ["train,own_data_reference"],
+            processes=1,
+            env=ONE_BY_FOUR,
+            output_dir=directory,
+        ),
     )
     return dict(result["train"], own_data_reference=result["own_data_reference"])
 

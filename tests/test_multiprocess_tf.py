@@ -10,6 +10,8 @@ import pytest
 from tests.multiprocess import (
     assert_each_sample_once_per_epoch,
     log_of,
+    once_directory,
+    once_per_run,
     run_job,
 )
 
@@ -26,9 +28,14 @@ JOB = "ids,train,different_data"
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("tf_two")
-    results = run_job("tf_worker.py", [JOB], processes=2, env=TF, output_dir=output_dir)
-    return results, output_dir
+    results = once_per_run(
+        tmp_path_factory,
+        "tf_two",
+        lambda directory: run_job(
+            "tf_worker.py", [JOB], processes=2, env=TF, output_dir=directory
+        ),
+    )
+    return results, once_directory(tmp_path_factory, "tf_two")
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +46,12 @@ def two_workers(job):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("tf_one")
-    (result,) = run_job(
-        "tf_worker.py", ["train"], processes=1, env=TF, output_dir=output_dir
+    (result,) = once_per_run(
+        tmp_path_factory,
+        "tf_one",
+        lambda directory: run_job(
+            "tf_worker.py", ["train"], processes=1, env=TF, output_dir=directory
+        ),
     )
     return result
 

@@ -11,6 +11,8 @@ from tests.multiprocess import (
     assert_each_input_type_once_per_epoch,
     assert_own_data_parity,
     log_of,
+    once_directory,
+    once_per_run,
     run_job,
 )
 
@@ -32,9 +34,12 @@ REFERENCES = "train,train_batch_norm,unused_weight_reference,own_data_reference,
 
 @pytest.fixture(scope="module")
 def input_job(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("torch_inputs")
-    return run_job(
-        "torch_worker.py", [INPUT_JOB], processes=2, env=TORCH, output_dir=output_dir
+    return once_per_run(
+        tmp_path_factory,
+        "torch_inputs",
+        lambda directory: run_job(
+            "torch_worker.py", [INPUT_JOB], processes=2, env=TORCH, output_dir=directory
+        ),
     )
 
 
@@ -46,18 +51,28 @@ def test_every_sample_once_per_epoch_across_processes(input_job):
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("torch_two")
-    results = run_job(
-        "torch_worker.py", [JOB], processes=2, env=TORCH, output_dir=output_dir
+    results = once_per_run(
+        tmp_path_factory,
+        "torch_two",
+        lambda directory: run_job(
+            "torch_worker.py", [JOB], processes=2, env=TORCH, output_dir=directory
+        ),
     )
-    return results, output_dir
+    return results, once_directory(tmp_path_factory, "torch_two")
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("torch_one")
-    (result,) = run_job(
-        "torch_worker.py", [REFERENCES], processes=1, env=TORCH, output_dir=output_dir
+    (result,) = once_per_run(
+        tmp_path_factory,
+        "torch_one",
+        lambda directory: run_job(
+            "torch_worker.py",
+            [REFERENCES],
+            processes=1,
+            env=TORCH,
+            output_dir=directory,
+        ),
     )
     return result
 
@@ -278,20 +293,27 @@ def model_parallel_job(tmp_path_factory):
     ranks started from different seeds; 45 samples in batches of 12 (and the
     other 2-process runs below); and the same fit in one process with nothing
     sharded."""
-    output_dir = tmp_path_factory.mktemp("torch_model_parallel")
-    results = run_job(
-        "torch_worker.py",
-        [MODEL_PARALLEL_JOB],
-        processes=2,
-        env=TORCH,
-        output_dir=output_dir / "two",
+    results = once_per_run(
+        tmp_path_factory,
+        "torch_model_parallel",
+        lambda directory: run_job(
+            "torch_worker.py",
+            [MODEL_PARALLEL_JOB],
+            processes=2,
+            env=TORCH,
+            output_dir=directory,
+        ),
     )
-    (reference,) = run_job(
-        "torch_worker.py",
-        ["model_parallel_reference"],
-        processes=1,
-        env=TORCH,
-        output_dir=output_dir / "one",
+    (reference,) = once_per_run(
+        tmp_path_factory,
+        "torch_model_parallel_reference",
+        lambda directory: run_job(
+            "torch_worker.py",
+            ["model_parallel_reference"],
+            processes=1,
+            env=TORCH,
+            output_dir=directory,
+        ),
     )
     return results, reference
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.multiprocess import run_job
+from tests.multiprocess import once_per_run, run_job
 
 pytestmark = pytest.mark.backend("torch")
 
@@ -22,13 +22,17 @@ KERAS_DIST_BREAK = "Unsupported Tensor.backward() call"
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_job(
-        "torch_compile_worker.py",
-        [],
-        processes=2,
-        env={"KERAS_BACKEND": "torch"},
-        output_dir=tmp_path_factory.mktemp("torch_compile"),
-        timeout=600.0,
+    return once_per_run(
+        tmp_path_factory,
+        "torch_compile",
+        lambda directory: run_job(
+            "torch_compile_worker.py",
+            [],
+            processes=2,
+            env={"KERAS_BACKEND": "torch"},
+            output_dir=directory,
+            timeout=600.0,
+        ),
     )
 
 

@@ -3,9 +3,10 @@ two nodes (`ray.cluster_utils.Cluster`: a head and one more node, one CPU
 each, every raylet a real process), Ray Train V2 worker groups of up to 2
 workers.
 
-One cluster serves the module, started under PyTorch only (a cluster's start
-costs a minute of CI's time). 2 workers with `kd.DataParallel()` train as one
-process does. Then the same run is elastic
+One cluster serves the module, under PyTorch only (each run's worker group
+starts Ray workers that import Keras and the backend: CI's time). 2 workers
+with `kd.DataParallel()` train as one process does. Then the same run is
+elastic
 (`ScalingConfig(num_workers=(1, 2))`): the second node is removed mid-epoch
 (its worker dies with it), Ray starts the group again on the one worker the
 cluster still has room for, which resumes from the `kd.Checkpoint` directory on

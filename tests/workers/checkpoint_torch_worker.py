@@ -1,6 +1,9 @@
 """One process of a PyTorch checkpoint-engine test job (2 gloo processes).
 
 Usage: python checkpoint_torch_worker.py SCENARIO DIRECTORY OUTPUT_JSON
+       python checkpoint_torch_worker.py SCENARIO,... DIRECTORY,... OUTPUT_JSON
+       (each scenario with its directory in turn, in one job; the JSON holds
+       the list of their results)
 
 - `save`: trains the model under DataParallel (DDP) and saves it from a
   callback at the end of training with `background=True` into
@@ -167,9 +170,7 @@ def restore(directory: str, mode: str, how: str) -> dict:
     }
 
 
-def main() -> None:
-    scenario, directory, output = sys.argv[1:]
-    kd.initialize()
+def run(scenario: str, directory: str) -> dict:
     if scenario == "save":
         result = {
             "ddp": save(directory, "ddp", background=True),
@@ -184,8 +185,22 @@ def main() -> None:
     else:
         raise ValueError(f"Unknown scenario {scenario!r}; use 'save' or 'restore'.")
     result["processes"] = kd.num_processes()
+    return result
+
+
+def main() -> None:
+    scenarios, directories, output = (
+        sys.argv[1].split(","),
+        sys.argv[2].split(","),
+        sys.argv[3],
+    )
+    kd.initialize()
+    runs = []
+    for scenario, directory in zip(scenarios, directories, strict=True):
+        keras.backend.clear_session()
+        runs.append(run(scenario, directory))
     with open(output, "w") as file:
-        json.dump(result, file)
+        json.dump(runs[0] if len(runs) == 1 else runs, file)
 
 
 if __name__ == "__main__":

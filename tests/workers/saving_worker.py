@@ -10,6 +10,7 @@ Scenarios:
   MODE `interrupted` raises on every process when epoch 2 begins, `resumed`
   (a new job) goes on from the backup, `uninterrupted` trains without a backup
   and also trains plain Keras on one device from process 0's initial weights.
+  MODE may name several modes (`uninterrupted,interrupted`), run in turn.
 - `save DIRECTORY`: fit with TensorBoard and CSVLogger, then `model.save`,
   `save_weights` and `keras.saving.save_model` after `fit`, and load them.
 """
@@ -145,7 +146,15 @@ def save(directory: str) -> dict:
 
 def main() -> None:
     scenario, *args, output = sys.argv[1:]
-    if scenario == "backup":
+    if scenario == "backup" and "," in args[0]:
+        # Several modes in turn in one job (one start-up: CI's time), each from
+        # a cleared Keras session; the result holds each one's by name.
+        modes, directory = args[0].split(","), args[1]
+        result = {}
+        for mode in modes:
+            keras.backend.clear_session()
+            result[mode] = backup(mode, directory)
+    elif scenario == "backup":
         result = backup(*args)
     elif scenario == "save":
         result = save(*args)
