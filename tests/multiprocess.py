@@ -8,12 +8,12 @@ import os
 import pathlib
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from keras_dist.cluster import find_free_port
+from tests.fork_server import start_python
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
 # Runs several scripts one after the other in one job (see its docstring).
@@ -34,6 +34,10 @@ def run_job(
 ) -> list[dict]:
     """Run `processes` copies of `workers/<worker>`; return each one's JSON.
 
+    Each process runs as `python workers/<worker> ARGS... OUTPUT` would, forked
+    from a process that has imported Keras and the backend when its
+    environment allows (`tests/fork_server.py`: the imports cost seconds).
+
     With `allow_failures`, return each process' exit code and log instead.
 
     Each process gets its rank through the KERAS_DISTRIBUTION_* variables and
@@ -52,12 +56,13 @@ def run_job(
             "KERAS_DISTRIBUTION_PROCESS_ID": str(rank),
             "KERAS_DIST_INIT_TIMEOUT": "60",
         }
-        log = open(output_dir / f"log-{rank}.txt", "w")
         output = output_dir / f"result-{rank}.json"
-        command = [sys.executable, str(WORKERS / worker), *args, str(output)]
-        children.append(
-            (subprocess.Popen(command, env=child_env, stdout=log, stderr=log), log)
+        child = start_python(
+            [WORKERS / worker, *args, output],
+            env=child_env,
+            output=output_dir / f"log-{rank}.txt",
         )
+        children.append((child, None))
     wait_then_clean_up(children, timeout)
     failures = [rank for rank, (child, _) in enumerate(children) if child.returncode]
     if allow_failures:
@@ -92,7 +97,8 @@ def wait_then_clean_up(children: list, timeout: float) -> None:
             if child.poll() is None:
                 child.kill()
                 child.wait(timeout=30)
-            log.close()
+            if log is not None:
+                log.close()
 
 
 def log_of(output_dir: pathlib.Path, rank: int) -> str:

@@ -23,8 +23,6 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -33,6 +31,7 @@ import pytest
 import keras_dist as kd
 from keras_dist.checkpoint import store
 from tests.conftest import BACKEND
+from tests.fork_server import start_python
 from tests.multiprocess import WORKERS
 from tests.workers.checkpoint_crash_worker import (
     FEATURES,
@@ -44,7 +43,7 @@ from tests.workers.checkpoint_crash_worker import (
 KILLS = 2
 
 
-def _start(directory, state) -> subprocess.Popen:
+def _start(directory, state):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_DIST")}
     env["KERAS_BACKEND"] = BACKEND
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
@@ -53,15 +52,14 @@ def _start(directory, state) -> subprocess.Popen:
     )
     if BACKEND != "torch":
         env["KERAS_DIST_CPU_DEVICES"] = "2"
-    with open(state / "log.txt", "a") as log:
-        return subprocess.Popen(
-            [sys.executable, str(WORKERS / "checkpoint_crash_worker.py")]
-            + [str(directory), str(state)],
-            env=env,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
+    # Forked from a process that has imported Keras (tests/fork_server.py),
+    # in a session of its own.
+    return start_python(
+        [WORKERS / "checkpoint_crash_worker.py", directory, state],
+        env=env,
+        output=state / "log.txt",
+        append=True,
+    )
 
 
 def _wait_until_training(process, state, timeout: float = 120.0) -> dict:

@@ -6,7 +6,7 @@ script in a process of its own, in this suite's environment (the run's
 TensorFlow, one process and one device on PyTorch), from an empty temporary
 directory, with a timeout; it must exit with status 0. The process is forked
 from one that has imported keras_dist, Keras and the backend and done nothing
-else (`tests/script_server.py`: the imports cost seconds a block). One test
+else (`tests/fork_server.py`: the imports cost seconds a block). One test
 per block, so xdist spreads them.
 
 HTML comments on the lines right before a block (blank lines between them
@@ -53,7 +53,7 @@ import zlib
 import keras
 import pytest
 
-from tests.script_server import ScriptServer
+from tests.fork_server import ForkServer, run_script
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -194,13 +194,13 @@ def _block_environment() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def script_server(tmp_path_factory):
     """Started at the first block this test process runs, ended with the
-    session (`tests/script_server.py`)."""
-    servers: list[ScriptServer] = []
+    session (`tests/fork_server.py`)."""
+    servers: list[ForkServer] = []
 
-    def get() -> ScriptServer:
+    def get() -> ForkServer:
         if not servers:
             log = tmp_path_factory.mktemp("script_server") / "server.log"
-            servers.append(ScriptServer(_block_environment(), log))
+            servers.append(ForkServer(_block_environment(), log))
         return servers[0]
 
     yield get
@@ -209,17 +209,17 @@ def script_server(tmp_path_factory):
 
 
 def _run_block(
-    block: Block, directory: pathlib.Path, server: ScriptServer
+    block: Block, directory: pathlib.Path, server: ForkServer
 ) -> subprocess.CompletedProcess:
     """The block as `python block.py` from `directory`, in a process forked
-    from `server` (the imports done; see tests/script_server.py)."""
+    from `server` (the imports done; see tests/fork_server.py)."""
     source = block.code
     if "run-with" in block.markers:
         setup = (DOCS / block.markers["run-with"]).read_text()
         source = f"{setup}\n# --- {block.name} ---\n{block.code}"
     script = directory / "block.py"
     script.write_text(source)
-    return server.run(script, directory, timeout=BLOCK_TIMEOUT_S)
+    return run_script(server, script, directory, timeout=BLOCK_TIMEOUT_S)
 
 
 def _blocks_to_run() -> list[Block]:

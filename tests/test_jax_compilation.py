@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.fork_server import start_python
 from tests.multiprocess import once_per_run
 
 pytestmark = pytest.mark.backend("jax")
@@ -43,19 +43,19 @@ def _run(scenarios: list[str], devices: int, tmp_path: Path) -> dict[str, dict]:
     for candidate in ("plain", "keras_dist"):
         output = tmp_path / f"{candidate}.json"
         command = [sys.executable, str(WORKER), ",".join(scenarios), candidate]
-        running[candidate] = (
-            subprocess.Popen(
-                [*command, str(output)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            ),
-            output,
+        # Forked from a process that has imported Keras and JAX and compiled
+        # nothing (tests/fork_server.py: each start-up costs seconds).
+        process = start_python(
+            [*command[1:], str(output)], env=env, output=tmp_path / f"{candidate}.log"
         )
+        running[candidate] = (process, output)
     results: dict[str, dict] = {scenario: {} for scenario in scenarios}
     for candidate, (process, output) in running.items():
-        log, _ = process.communicate(timeout=300)
+        try:
+            process.wait(timeout=300)
+        finally:
+            process.kill()
+        log = (tmp_path / f"{candidate}.log").read_text()
         assert process.returncode == 0, log[-3000:]
         for scenario, counted in json.loads(output.read_text()).items():
             assert counted["devices"] == devices
