@@ -34,6 +34,7 @@ import os
 import pathlib
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -282,6 +283,7 @@ class ForkedProcess:
 
 
 _SERVERS: list[ForkServer] = []
+_FOLDERS: list[pathlib.Path] = []  # the servers' logs, removed at the end
 
 
 def _started_with(env: dict[str, str]) -> dict[str, str]:
@@ -304,12 +306,16 @@ def start_python(
     (`subprocess.Popen`), in a session of its own either way."""
     cwd = cwd or os.getcwd()
     started_with = _started_with(env)
+    # The server's start-up environment: this process' own when it started.
+    server_env = _SERVERS[0].env if _SERVERS else _started_with(dict(os.environ))
     forking = os.environ.get("KERAS_DIST_TESTS_FORK", "1") != "0"
-    if forking and started_with == _started_with(dict(os.environ)):
+    if forking and started_with == server_env:
         if not _SERVERS:
             atexit.register(stop_all)
-            log = pathlib.Path(tempfile.mkdtemp(prefix="keras-dist-fork-server-"))
-            _SERVERS.append(ForkServer(started_with, log / "server.log"))
+            _FOLDERS.append(
+                pathlib.Path(tempfile.mkdtemp(prefix="keras-dist-fork-server-"))
+            )
+            _SERVERS.append(ForkServer(server_env, _FOLDERS[-1] / "server.log"))
         return _SERVERS[0].spawn(argv, env=env, cwd=cwd, stdout=output, append=append)
     with open(output, "a" if append else "w") as log:
         return subprocess.Popen(
@@ -351,3 +357,6 @@ def stop_all() -> None:
     for server in _SERVERS:
         server.stop()
     _SERVERS.clear()
+    for folder in _FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
+    _FOLDERS.clear()
