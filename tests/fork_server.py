@@ -15,10 +15,10 @@ Simulated devices (`KERAS_DIST_CPU_DEVICES`) are set up in the child, from its
 own environment, as `import keras_dist` sets them up in a new process.
 
 Only what a process reads at its start could differ from a fresh one. So a
-process forks only when its environment differs from the test process' own in
-variables read later (`_READ_LATER`: keras_dist's and the job's own variables,
-`TF_CONFIG`, `TMPDIR`); any other difference (another backend, XLA or thread
-settings) starts it with `subprocess.Popen`, as before.
+process forks only when the variables read at a process' start
+(`_READ_AT_START`: the interpreter's, the backend's, XLA's, the thread
+libraries', Keras' backend) are the server's; any difference there (another
+backend, XLA or thread settings) starts it with `subprocess.Popen`, as before.
 `KERAS_DIST_TESTS_FORK=0` starts every process that way.
 
 One server per test process, started at its first process, ended with the
@@ -135,10 +135,20 @@ STARTUP_TIMEOUT_S = 300  # the imports, on a busy machine
 
 # Variables a process reads after its start (keras_dist's own, the job's
 # address and rank, TensorFlow's cluster), or that the child applies itself
-# (PYTHONPATH, simulated devices): a child whose environment differs from the
-# server's only in these forks.
+# (PYTHONPATH, simulated devices): the server starts without them.
 _READ_LATER = re.compile(
     r"^(KERAS_DIST|KERAS_DISTRIBUTION_|TF_CONFIG$|TMPDIR$|PYTHONPATH$)"
+)
+# Variables read when a process starts (the interpreter's, the backend's and
+# its libraries', Keras' backend and home): a child forks only when these are
+# the server's. The rest are read when used, from the child's own environment:
+# a job's own, or one that an import or a test set in the test process
+# (TensorFlow's TPU_ML_PLATFORM, torch's TORCH_FR_BUFFER_SIZE, torchrun's or
+# Ray's), and the TPU runtime's, read when JAX's backend starts in the child.
+_READ_AT_START = re.compile(
+    r"^(KERAS_BACKEND|KERAS_HOME|XLA_FLAGS|JAX_.*|TF_(?!CONFIG$).*|OMP_.*|MKL_.*"
+    r"|OPENBLAS_.*|KMP_.*|CUDA_.*|TORCH(?!_FR_).*|PYTORCH_.*|LD_.*"
+    r"|PYTHON(?!PATH$).*|MPLBACKEND)$"
 )
 
 
@@ -286,9 +296,8 @@ _SERVERS: list[ForkServer] = []
 _FOLDERS: list[pathlib.Path] = []  # the servers' logs, removed at the end
 
 
-def _started_with(env: dict[str, str]) -> dict[str, str]:
-    """What of `env` a process reads at its start (all but `_READ_LATER`)."""
-    return {name: value for name, value in env.items() if not _READ_LATER.match(name)}
+def _read_at_start(env: dict[str, str]) -> dict[str, str]:
+    return {name: value for name, value in env.items() if _READ_AT_START.match(name)}
 
 
 def start_python(
@@ -301,15 +310,18 @@ def start_python(
 ) -> subprocess.Popen | ForkedProcess:
     """`python *argv` (a script and its arguments) with `env`, its stdout and
     stderr to `output` (appended with `append`): forked from this test
-    process' server when `env` differs from this process' own environment only
-    in variables read later (`_READ_LATER`), else a new interpreter
-    (`subprocess.Popen`), in a session of its own either way."""
+    process' server when `env` has the server's variables read at a process'
+    start (`_READ_AT_START`), else a new interpreter (`subprocess.Popen`), in
+    a session of its own either way."""
     cwd = cwd or os.getcwd()
-    started_with = _started_with(env)
-    # The server's start-up environment: this process' own when it started.
-    server_env = _SERVERS[0].env if _SERVERS else _started_with(dict(os.environ))
+    # The server starts with this process' environment (less `_READ_LATER`).
+    server_env = (
+        _SERVERS[0].env
+        if _SERVERS
+        else {k: v for k, v in os.environ.items() if not _READ_LATER.match(k)}
+    )
     forking = os.environ.get("KERAS_DIST_TESTS_FORK", "1") != "0"
-    if forking and started_with == server_env:
+    if forking and _read_at_start(env) == _read_at_start(server_env):
         if not _SERVERS:
             atexit.register(stop_all)
             _FOLDERS.append(
