@@ -170,7 +170,6 @@ class ForkServer:
             )
         self._pending = b""
         self._exits: dict[int, int] = {}
-        self._pids: list[int] = []
         self._read_until(lambda message: "ready" in message, STARTUP_TIMEOUT_S)
 
     def _read_until(self, wanted, timeout: float | None) -> dict | None:
@@ -186,8 +185,6 @@ class ForkServer:
                 if "exit" in message:
                     pid, code = message["exit"]
                     self._exits[pid] = code
-                elif "pid" in message:
-                    self._pids.append(message["pid"])
                 if wanted(message):
                     return message
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

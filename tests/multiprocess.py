@@ -182,6 +182,19 @@ def once_per_run(tmp_path_factory, name: str, compute: Callable[[pathlib.Path], 
         return result
 
 
+def run_job_once(
+    tmp_path_factory, name: str, worker: str, args: list[str], **options
+) -> tuple[list[dict], pathlib.Path]:
+    """`run_job(worker, args, **options)` once per test run (`once_per_run`):
+    each process' JSON, and the job's output directory (its logs)."""
+    results = once_per_run(
+        tmp_path_factory,
+        name,
+        lambda directory: run_job(worker, args, output_dir=directory, **options),
+    )
+    return results, once_directory(tmp_path_factory, name)
+
+
 def once_directory(tmp_path_factory, name: str) -> pathlib.Path:
     """The directory `once_per_run(..., name, ...)` gives its computation."""
     root = tmp_path_factory.getbasetemp()

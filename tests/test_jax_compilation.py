@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -42,11 +41,12 @@ def _run(scenarios: list[str], devices: int, tmp_path: Path) -> dict[str, dict]:
     running = {}
     for candidate in ("plain", "keras_dist"):
         output = tmp_path / f"{candidate}.json"
-        command = [sys.executable, str(WORKER), ",".join(scenarios), candidate]
         # Forked from a process that has imported Keras and JAX and compiled
         # nothing (tests/fork_server.py: each start-up costs seconds).
         process = start_python(
-            [*command[1:], str(output)], env=env, output=tmp_path / f"{candidate}.log"
+            [WORKER, ",".join(scenarios), candidate, output],
+            env=env,
+            output=tmp_path / f"{candidate}.log",
         )
         running[candidate] = (process, output)
     results: dict[str, dict] = {scenario: {} for scenario in scenarios}

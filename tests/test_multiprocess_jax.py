@@ -18,9 +18,9 @@ from tests.multiprocess import (
     assert_each_input_type_once_per_epoch,
     assert_own_data_parity,
     log_of,
-    once_directory,
     once_per_run,
     run_job,
+    run_job_once,
 )
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -40,14 +40,14 @@ JOB = "every_kind,train,own_data,different_data"
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    results = once_per_run(
+    return run_job_once(
         tmp_path_factory,
         "jax_two_processes",
-        lambda directory: run_job(
-            "jax_worker.py", [JOB], processes=2, env=TWO_BY_TWO, output_dir=directory
-        ),
+        "jax_worker.py",
+        [JOB],
+        processes=2,
+        env=TWO_BY_TWO,
     )
-    return results, once_directory(tmp_path_factory, "jax_two_processes")
 
 
 def test_every_sample_once_per_epoch_across_processes(job):

@@ -10,9 +10,9 @@ import pytest
 from tests.multiprocess import (
     assert_each_sample_once_per_epoch,
     log_of,
-    once_directory,
     once_per_run,
     run_job,
+    run_job_once,
 )
 
 pytestmark = pytest.mark.backend("tensorflow")
@@ -28,14 +28,9 @@ JOB = "ids,train,different_data"
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    results = once_per_run(
-        tmp_path_factory,
-        "tf_two",
-        lambda directory: run_job(
-            "tf_worker.py", [JOB], processes=2, env=TF, output_dir=directory
-        ),
+    return run_job_once(
+        tmp_path_factory, "tf_two", "tf_worker.py", [JOB], processes=2, env=TF
     )
-    return results, once_directory(tmp_path_factory, "tf_two")
 
 
 @pytest.fixture(scope="module")

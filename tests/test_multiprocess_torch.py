@@ -11,9 +11,9 @@ from tests.multiprocess import (
     assert_each_input_type_once_per_epoch,
     assert_own_data_parity,
     log_of,
-    once_directory,
     once_per_run,
     run_job,
+    run_job_once,
 )
 
 pytestmark = pytest.mark.backend("torch")
@@ -51,14 +51,9 @@ def test_every_sample_once_per_epoch_across_processes(input_job):
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    results = once_per_run(
-        tmp_path_factory,
-        "torch_two",
-        lambda directory: run_job(
-            "torch_worker.py", [JOB], processes=2, env=TORCH, output_dir=directory
-        ),
+    return run_job_once(
+        tmp_path_factory, "torch_two", "torch_worker.py", [JOB], processes=2, env=TORCH
     )
-    return results, once_directory(tmp_path_factory, "torch_two")
 
 
 @pytest.fixture(scope="module")
