@@ -29,17 +29,17 @@ test process (`start_python`); the docs blocks have one of their own
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import os
 import pathlib
 import re
-import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 
 # The server: reads one request per line (JSON) and forks a child per request,
 # says the child's pid, and says each child's exit code when it ends. On the
@@ -154,7 +154,11 @@ _READ_AT_START = re.compile(
 
 class ForkServer:
     """A server process (started with `env`) and the processes forked from
-    it. `log`: where the server's own output goes (its imports' warnings)."""
+    it. `log`: where the server's own output goes (its imports' warnings).
+
+    Safe to use from several threads (a test that runs two jobs at once):
+    one thread reads the server's messages and keeps them; requests are
+    written one at a time, and the server answers them in order."""
 
     def __init__(self, env: dict[str, str], log: pathlib.Path) -> None:
         self.env = dict(env)
@@ -168,37 +172,55 @@ class ForkServer:
                 stderr=output,
                 start_new_session=True,
             )
-        self._pending = b""
+        self._changed = threading.Condition()
+        self._requesting = threading.Lock()  # one request and its answer
+        self._ready = False
+        self._pids: collections.deque[int] = collections.deque()
         self._exits: dict[int, int] = {}
-        self._read_until(lambda message: "ready" in message, STARTUP_TIMEOUT_S)
+        self._ended: str | None = None
+        self._reader = threading.Thread(
+            target=self._read, name="fork-server-reader", daemon=True
+        )
+        self._reader.start()
+        self._wait_for(lambda: self._ready, STARTUP_TIMEOUT_S, "start")
 
-    def _read_until(self, wanted, timeout: float | None) -> dict | None:
-        """Read the server's messages, keeping the exit codes, until one for
-        which `wanted(message)` holds (returned) or `timeout` s pass (None;
-        `timeout=0` reads only what is there)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        descriptor = self._process.stdout.fileno()
-        while True:
-            while b"\n" in self._pending:
-                line, self._pending = self._pending.split(b"\n", 1)
-                message = json.loads(line)
-                if "exit" in message:
+    def _read(self) -> None:
+        """The reader thread: every message of the server, kept, until its
+        output ends."""
+        for line in self._process.stdout:
+            message = json.loads(line)
+            with self._changed:
+                if "ready" in message:
+                    self._ready = True
+                elif "pid" in message:
+                    self._pids.append(message["pid"])
+                elif "exit" in message:
                     pid, code = message["exit"]
                     self._exits[pid] = code
-                if wanted(message):
-                    return message
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _, _ = select.select([descriptor], [], [], left)
-            if not ready:
-                return None
-            chunk = os.read(descriptor, 65536)
-            if not chunk:
-                self._process.wait(timeout=30)
+                self._changed.notify_all()
+        try:
+            code = self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            code = None
+        with self._changed:
+            self._ended = f"the fork server ended with {code}"
+            self._changed.notify_all()
+
+    def _wait_for(self, condition, timeout: float | None, what: str) -> bool:
+        """Wait up to `timeout` s for `condition()` (under the lock); False
+        past it; an error if the server ended (its log's end in it)."""
+        with self._changed:
+            done = self._changed.wait_for(
+                lambda: condition() or self._ended is not None, timeout
+            )
+            if condition():
+                return True
+            if self._ended is not None:
                 raise RuntimeError(
-                    f"the fork server ended with {self._process.returncode}:\n"
+                    f"{self._ended} (waiting for {what}):\n"
                     + self._log.read_text(errors="replace")[-6000:]
                 )
-            self._pending += chunk
+            return done
 
     def spawn(
         self,
@@ -221,21 +243,21 @@ class ForkServer:
             "stderr": str(stderr or stdout),
             "append": append,
         }
-        self._process.stdin.write(json.dumps(request).encode() + b"\n")
-        self._process.stdin.flush()
-        message = self._read_until(lambda message: "pid" in message, 60)
-        if message is None:
-            raise RuntimeError("the fork server did not start the process in 60 s")
-        return ForkedProcess(self, message["pid"], [sys.executable, *request["argv"]])
+        with self._requesting:
+            self._process.stdin.write(json.dumps(request).encode() + b"\n")
+            self._process.stdin.flush()
+            if not self._wait_for(lambda: bool(self._pids), 60, "a child's pid"):
+                raise RuntimeError("the fork server did not start the process in 60 s")
+            with self._changed:
+                pid = self._pids.popleft()
+        return ForkedProcess(self, pid, [sys.executable, *request["argv"]])
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
         """The exit code of child `pid`, waiting up to `timeout` s for it
         (None: still running)."""
-        if pid not in self._exits:
-            self._read_until(
-                lambda message: message.get("exit", [None])[0] == pid, timeout
-            )
-        return self._exits.get(pid)
+        self._wait_for(lambda: pid in self._exits, timeout, f"process {pid}")
+        with self._changed:
+            return self._exits.get(pid)
 
     def stop(self) -> None:
         if self._process.poll() is None:
@@ -245,6 +267,7 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self._process.pid, signal.SIGKILL)
                 self._process.wait(timeout=30)
+        self._reader.join(timeout=60)
         self._process.stdout.close()
 
 
@@ -291,6 +314,7 @@ class ForkedProcess:
 
 _SERVERS: list[ForkServer] = []
 _FOLDERS: list[pathlib.Path] = []  # the servers' logs, removed at the end
+_STARTING = threading.Lock()
 
 
 def _read_at_start(env: dict[str, str]) -> dict[str, str]:
@@ -319,12 +343,13 @@ def start_python(
     )
     forking = os.environ.get("KERAS_DIST_TESTS_FORK", "1") != "0"
     if forking and _read_at_start(env) == _read_at_start(server_env):
-        if not _SERVERS:
-            atexit.register(stop_all)
-            _FOLDERS.append(
-                pathlib.Path(tempfile.mkdtemp(prefix="keras-dist-fork-server-"))
-            )
-            _SERVERS.append(ForkServer(server_env, _FOLDERS[-1] / "server.log"))
+        with _STARTING:  # one server, whichever thread comes first
+            if not _SERVERS:
+                atexit.register(stop_all)
+                _FOLDERS.append(
+                    pathlib.Path(tempfile.mkdtemp(prefix="keras-dist-fork-server-"))
+                )
+                _SERVERS.append(ForkServer(server_env, _FOLDERS[-1] / "server.log"))
         return _SERVERS[0].spawn(argv, env=env, cwd=cwd, stdout=output, append=append)
     with open(output, "a" if append else "w") as log:
         return subprocess.Popen(
