@@ -11,14 +11,25 @@ import os
 import pathlib
 import sys
 
-import keras
 import pytest
 
 # Worker modules imported in-process (`tests.workers.x`) share helpers with the
 # worker scripts, which import them by plain name (`import worker_seed`).
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "workers"))
 
-BACKEND = keras.backend.backend()
+
+def _backend() -> str:
+    """The backend Keras will use: KERAS_BACKEND when set (xdist's controller
+    process, which runs no test, then never imports Keras: seconds of CPU
+    per run that the workers need), else Keras' own answer."""
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    import keras  # noqa: PLC0415
+
+    return keras.backend.backend()
+
+
+BACKEND = _backend()
 
 
 # Tests marked `backend_neutral` do the same under every backend (the
@@ -111,6 +122,8 @@ if TIMELINE:
 @pytest.fixture(autouse=True)
 def _no_distribution_leaks():
     """Every test starts and ends with no global distribution."""
+    import keras  # noqa: PLC0415
+
     keras.distribution.set_distribution(None)
     yield
     keras.distribution.set_distribution(None)
