@@ -210,7 +210,7 @@ class ForkServer:
         """Wait up to `timeout` s for `condition()` (under the lock); False
         past it; an error if the server ended (its log's end in it)."""
         with self._changed:
-            done = self._changed.wait_for(
+            self._changed.wait_for(
                 lambda: condition() or self._ended is not None, timeout
             )
             if condition():
@@ -220,7 +220,7 @@ class ForkServer:
                     f"{self._ended} (waiting for {what}):\n"
                     + self._log.read_text(errors="replace")[-6000:]
                 )
-            return done
+            return False
 
     def spawn(
         self,
