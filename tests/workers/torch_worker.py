@@ -21,6 +21,7 @@ from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402
 
 from keras_dist.backends import get_adapter  # noqa: E402
 from keras_dist.backends.torch.input_adapter import RankBatches  # noqa: E402
+from keras_dist.backends.torch.keras_internals import keras_batches  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import scenarios  # noqa: E402
@@ -40,8 +41,11 @@ def seen_ids(kind: str) -> list[list[float]]:
     for _ in range(2 if kind != "generator" else 1):
         adapter.on_epoch_begin()
         ids: list[float] = []
+        # The global batches as `fit` reads them on torch: Keras' DataLoader
+        # (torch tensors, each process keeping its rows in torch; the uneven
+        # last batch of 37 samples is padded through NumPy).
         batches = RankBatches(
-            adapter.get_numpy_iterator(),
+            keras_batches(adapter),
             world_size=kd.num_processes(),
             rank=kd.process_id(),
             device="cpu",
