@@ -86,6 +86,18 @@ class ExplainStep(keras.callbacks.Callback):
         model.train_function = explained
 
 
+class StepLogs(keras.callbacks.Callback):
+    """Every step's logs, as the callbacks see them (the global values, summed
+    over the processes within the step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs: list[dict] = []
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.logs.append({key: float(value) for key, value in logs.items()})
+
+
 def weights(model: keras.Model) -> list:
     return [np.asarray(w).tolist() for w in model.get_weights()]
 
@@ -100,7 +112,10 @@ def main() -> None:
     x = rng.normal(size=(ROWS, 6)).astype("float32")
     y = rng.integers(0, 3, size=(ROWS,)).astype("int32")
 
-    def fit(model: keras.Model, *extra: keras.callbacks.Callback) -> dict:
+    def fit(
+        model: keras.Model, *extra: keras.callbacks.Callback
+    ) -> tuple[dict, list[dict]]:
+        steps = StepLogs()
         history = model.fit(
             x,
             y,
@@ -108,22 +123,23 @@ def main() -> None:
             epochs=EPOCHS,
             shuffle=False,
             verbose=0,
-            callbacks=[kd.DistributeCallback(kd.DataParallel()), *extra],
+            callbacks=[kd.DistributeCallback(kd.DataParallel()), steps, *extra],
         )
-        return {
+        epochs = {
             key: [float(v) for v in values] for key, values in history.history.items()
         }
+        return epochs, steps.logs
 
     counters.clear()
     compiled = build(jit_compile=True)
-    compiled_logs = fit(compiled)
+    compiled_logs, compiled_step_logs = fit(compiled)
     not_resumed = sum(
         count
         for reason, count in counters["graph_break"].items()
         if "Failed to handle graph break gracefully" in reason
     )
     eager = build(jit_compile=False)
-    eager_logs = fit(eager)
+    eager_logs, eager_step_logs = fit(eager)
     # A third model: explain one steady-state step (after the first, which
     # also looks for unused weights). `explain` traces the step with
     # TorchDynamo itself, whether Keras compiles the model or not (keras_dist's
@@ -137,6 +153,8 @@ def main() -> None:
         "eager": weights(eager),
         "compiled_logs": compiled_logs,
         "eager_logs": eager_logs,
+        "compiled_step_logs": compiled_step_logs,
+        "eager_step_logs": eager_step_logs,
         "not_resumed": not_resumed,
         "explain": explain.report,
     }

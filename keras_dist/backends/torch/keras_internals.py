@@ -337,6 +337,20 @@ def _check_gradient_accumulation() -> list[str]:
     return missing
 
 
+@torch.compiler.disable
+def _backward_beside_sum(
+    loss: Any, flat: Any, start_sum: Callable[[Any], Callable[[], None]]
+) -> None:
+    """A compiled step's backward pass, with the sum of the metric states
+    (`flat`) over the processes running beside it, as in the eager step.
+    TorchDynamo does not trace `Tensor.backward()` (the step's graph breaks
+    there either way); here that break also starts the sum, which would
+    otherwise run inside the next graph, after backward, on the step's path."""
+    wait = start_sum(flat)
+    loss.backward()
+    wait()
+
+
 def make_steps(
     model: Any, collectives: Collectives, user_steps: set[str] = frozenset()
 ) -> dict[str, Callable]:
@@ -410,15 +424,18 @@ def make_steps(
             world_size,
             keras_metrics,
         )
-        sync = None
-        if world_size > 1 and not torch.compiler.is_compiling():
+        sync = traced = None
+        if world_size > 1:
             # Metric states and BatchNorm statistics are final for this step:
-            # their sum runs beside backward. (Compiled, the sum is in the
-            # graph, after backward: `MetricSync.results`.)
-            sync = step_sums.start()
+            # their sum runs beside backward.
+            if torch.compiler.is_compiling():
+                traced = step_sums.traced_start()
+            else:
+                sync = step_sums.start()
         if model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
         trainable = model.trainable_weights[:]
+        traced_summed = False
         if trainable:
             if accumulation is not None and update:
                 accumulation.move_into_gradients(trainable)
@@ -430,7 +447,10 @@ def make_steps(
                 if look_for_unused[0] is None:
                     look_for_unused[0] = bool(unused)
                 loss = unused_weights.reach(loss, unused)
-            if update:
+            if update and traced is not None:
+                _backward_beside_sum(loss, traced.flat, collectives.start_sum)
+                traced_summed = True
+            elif update:
                 loss.backward()
             else:
                 with local():
@@ -440,6 +460,10 @@ def make_steps(
                 model.optimizer.apply([v.value.grad for v in trainable], trainable)
         if sync is not None:
             return sync.finish()
+        if traced is not None:
+            if not traced_summed:
+                collectives.start_sum(traced.flat)()
+            return traced.finish()
         if world_size > 1:
             return step_sums.results()
         return type(model).get_metrics_result(model)

@@ -9,12 +9,17 @@ stays equal on every process.
 
 `start()` launches the sum (an asynchronous all-reduce the train step starts
 before backward, so that it runs beside it) and returns a `PendingSum` whose
-`finish()` waits for it and reads the results. The states' layout (which
-tensors, their sizes, which are averaged) is worked out once and kept while
-the model's metric states are the same variables; each step is then a few
-fused torch ops on flat float64 buffers: one copy in, the sum, one division,
-one copy out, Keras' own results, one copy back. The sum is taken in float64,
-so a float32 state's global value is exactly the rounded sum.
+`finish()` waits for it and reads the results. Under `torch.compile`,
+`traced_start()` copies the states in the form TorchDynamo traces; the compiled
+step sums that buffer eagerly beside its backward pass (where its graph breaks
+anyway) and `TracedSum.finish()` reads the results in the next graph.
+
+Eagerly, the states' layout (which tensors, their sizes, which are averaged) is
+worked out once and kept while the model's metric states are the same
+variables; each step is then a few fused torch ops on flat float64 buffers: one
+copy in, the sum, one division, one copy out, Keras' own results, one copy
+back. The sum is taken in float64, so a float32 state's global value is exactly
+the rounded sum.
 """
 
 from __future__ import annotations
@@ -149,11 +154,16 @@ class MetricSync:
         """The global results now. Under `torch.compile` in the form it
         traces: the sum inside the graph, no layout kept between steps."""
         if torch.compiler.is_compiling():
-            return self._traced_results()
+            traced = self.traced_start()
+            self._start_sum(traced.flat)()
+            return traced.finish()
         return self.start().finish()
 
-    def _traced_results(self) -> dict[str, Any]:
-        model = self._model
+    def traced_start(self) -> TracedSum:
+        """The states as they are now, copied into a float64 buffer in the
+        form `torch.compile` traces (no layout kept between steps). Sum its
+        `flat` over the processes (`start_sum`, inside the graph or eagerly
+        beside the backward pass), then `finish()`."""
         metrics, shared = self._variables()
         variables = (*metrics, *shared)
         tensors = [self._storage(v) for v in variables]
@@ -161,27 +171,15 @@ class MetricSync:
             local = torch.cat(
                 [tensor.detach().reshape(-1).to(torch.float64) for tensor in tensors]
             )
-            flat = local.clone()
-            self._start_sum(flat)()
-            sizes = [tensor.numel() for tensor in tensors]
-            for index, (variable, tensor, total) in enumerate(
-                zip(variables, tensors, flat.split(sizes), strict=True)
-            ):
-                aggregation = variable.aggregation if index < len(metrics) else "mean"
-                if aggregation == "mean":
-                    total = total / self._world_size
-                if aggregation in ("sum", "mean"):
-                    tensor.copy_(total.view(tensor.shape))
-        results = keras.tree.map_structure(
-            _detached_copy, type(model).get_metrics_result(model)
+        return TracedSum(
+            self._model,
+            self._world_size,
+            len(metrics),
+            variables,
+            tensors,
+            local,
+            local.clone(),
         )
-        with torch.no_grad():
-            for variable, tensor, own in zip(
-                metrics, tensors, local.split(sizes), strict=False
-            ):
-                if variable.aggregation in ("sum", "mean"):
-                    tensor.copy_(own.view(tensor.shape))
-        return results
 
     def start(self) -> PendingSum:
         """Start summing the states as they are now (they must not change
@@ -192,6 +190,58 @@ class MetricSync:
                 torch._foreach_copy_(layout.local_views, layout.tensors)
             layout.flat.copy_(layout.local)
         return PendingSum(self._model, layout, self._start_sum(layout.flat))
+
+
+class TracedSum:
+    """`MetricSync.traced_start`'s buffers; `finish()` gives the global
+    results once `flat` holds the sum over the processes. The first
+    `metric_count` of `variables` are metric states, the rest the state
+    averaged with them."""
+
+    def __init__(
+        self,
+        model: Any,
+        world_size: int,
+        metric_count: int,
+        variables: tuple[Any, ...],
+        tensors: list[torch.Tensor],
+        local: torch.Tensor,
+        flat: torch.Tensor,
+    ):
+        self._model = model
+        self._world_size = world_size
+        self._metric_count = metric_count
+        self._variables = variables
+        self._tensors = tensors
+        self._local = local
+        self.flat = flat
+
+    def finish(self) -> dict[str, Any]:
+        tensors, metric_count = self._tensors, self._metric_count
+        sizes = [tensor.numel() for tensor in tensors]
+        with torch.no_grad():
+            for index, (variable, tensor, total) in enumerate(
+                zip(self._variables, tensors, self.flat.split(sizes), strict=True)
+            ):
+                aggregation = variable.aggregation if index < metric_count else "mean"
+                if aggregation == "mean":
+                    total = total / self._world_size
+                if aggregation in ("sum", "mean"):
+                    tensor.copy_(total.view(tensor.shape))
+        results = keras.tree.map_structure(
+            _detached_copy, type(self._model).get_metrics_result(self._model)
+        )
+        with torch.no_grad():
+            for variable, tensor, own in zip(
+                self._variables[:metric_count],
+                tensors,
+                self._local.split(sizes),
+                strict=False,
+            ):
+                if variable.aggregation in ("sum", "mean"):
+                    # Each process goes on from its own values.
+                    tensor.copy_(own.view(tensor.shape))
+        return results
 
 
 class PendingSum:
