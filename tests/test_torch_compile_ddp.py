@@ -77,19 +77,32 @@ def test_compiled_step_logs_are_global_every_step(results):
 
 def test_compiled_step_breaks_in_keras_dist_only_at_backward(results):
     """No break is left unresumed (a frame run eagerly), and a steady-state
-    step breaks in keras_dist's frames only at backward."""
+    step breaks in keras_dist's frames only at backward, where it sums the
+    metric states beside the backward pass."""
     for result in results:
         assert result["not_resumed"] == 0
         report = result["explain"]
         assert report is not None
+        assert any(
+            found["reason"] == "Skip calling `torch.compiler.disable()`d function"
+            and found["frames"]
+            and "_backward_beside_sum(" in linecache.getline(*_path_and_line(found))
+            for found in report["breaks"]
+        ), report["breaks"]
         for found in report["breaks"]:
             innermost = found["frames"][-1] if found["frames"] else ""
             if "/keras_dist/" in innermost:
                 assert found["reason"] in KERAS_DIST_BREAKS, found
-                path, line = innermost.rsplit(":", 1)
+                path, line = _path_and_line(found)
                 assert path.endswith("keras_dist/backends/torch/keras_internals.py"), (
                     found
                 )
                 # The line that breaks is the backward pass.
-                source = linecache.getline(path, int(line))
+                source = linecache.getline(path, line)
                 assert KERAS_DIST_BREAKS[found["reason"]] in source, (found, source)
+
+
+def _path_and_line(found: dict) -> tuple[str, int]:
+    """The file and line of a break's innermost frame."""
+    path, line = found["frames"][-1].rsplit(":", 1)
+    return path, int(line)

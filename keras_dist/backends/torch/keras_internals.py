@@ -427,15 +427,16 @@ def make_steps(
         sync = traced = None
         if world_size > 1:
             # Metric states and BatchNorm statistics are final for this step:
-            # their sum runs beside backward.
+            # their sum runs beside backward (compiled: in `_backward_beside_sum`,
+            # or in the graph after backward where there is none to run beside).
             if torch.compiler.is_compiling():
-                traced = step_sums.traced_start()
+                traced = step_sums.traced_copy()
             else:
                 sync = step_sums.start()
         if model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
         trainable = model.trainable_weights[:]
-        traced_summed = False
+        summed_beside_backward = False
         if trainable:
             if accumulation is not None and update:
                 accumulation.move_into_gradients(trainable)
@@ -449,7 +450,7 @@ def make_steps(
                 loss = unused_weights.reach(loss, unused)
             if update and traced is not None:
                 _backward_beside_sum(loss, traced.flat, collectives.start_sum)
-                traced_summed = True
+                summed_beside_backward = True
             elif update:
                 loss.backward()
             else:
@@ -461,11 +462,9 @@ def make_steps(
         if sync is not None:
             return sync.finish()
         if traced is not None:
-            if not traced_summed:
+            if not summed_beside_backward:
                 collectives.start_sum(traced.flat)()
             return traced.finish()
-        if world_size > 1:
-            return step_sums.results()
         return type(model).get_metrics_result(model)
 
     def test_step(batch: Any) -> Any:

@@ -10,9 +10,10 @@ stays equal on every process.
 `start()` launches the sum (an asynchronous all-reduce the train step starts
 before backward, so that it runs beside it) and returns a `PendingSum` whose
 `finish()` waits for it and reads the results. Under `torch.compile`,
-`traced_start()` copies the states in the form TorchDynamo traces; the compiled
+`traced_copy()` copies the states in the form TorchDynamo traces; the compiled
 step sums that buffer eagerly beside its backward pass (where its graph breaks
-anyway) and `TracedSum.finish()` reads the results in the next graph.
+anyway; inside the graph after it for a gradient-accumulation micro-step or a
+model without trainable weights) and `TracedStates.finish()` reads the results.
 
 Eagerly, the states' layout (which tensors, their sizes, which are averaged) is
 worked out once and kept while the model's metric states are the same
@@ -154,16 +155,16 @@ class MetricSync:
         """The global results now. Under `torch.compile` in the form it
         traces: the sum inside the graph, no layout kept between steps."""
         if torch.compiler.is_compiling():
-            traced = self.traced_start()
+            traced = self.traced_copy()
             self._start_sum(traced.flat)()
             return traced.finish()
         return self.start().finish()
 
-    def traced_start(self) -> TracedSum:
+    def traced_copy(self) -> TracedStates:
         """The states as they are now, copied into a float64 buffer in the
-        form `torch.compile` traces (no layout kept between steps). Sum its
-        `flat` over the processes (`start_sum`, inside the graph or eagerly
-        beside the backward pass), then `finish()`."""
+        form `torch.compile` traces (no layout kept between steps); nothing
+        is summed yet. Sum its `flat` over the processes (`start_sum`, inside
+        the graph or eagerly beside the backward pass), then `finish()`."""
         metrics, shared = self._variables()
         variables = (*metrics, *shared)
         tensors = [self._storage(v) for v in variables]
@@ -171,7 +172,7 @@ class MetricSync:
             local = torch.cat(
                 [tensor.detach().reshape(-1).to(torch.float64) for tensor in tensors]
             )
-        return TracedSum(
+        return TracedStates(
             self._model,
             self._world_size,
             len(metrics),
@@ -192,8 +193,8 @@ class MetricSync:
         return PendingSum(self._model, layout, self._start_sum(layout.flat))
 
 
-class TracedSum:
-    """`MetricSync.traced_start`'s buffers; `finish()` gives the global
+class TracedStates:
+    """`MetricSync.traced_copy`'s buffers; `finish()` gives the global
     results once `flat` holds the sum over the processes. The first
     `metric_count` of `variables` are metric states, the rest the state
     averaged with them."""
