@@ -26,6 +26,7 @@ the rounded sum.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import keras
@@ -193,50 +194,41 @@ class MetricSync:
         return PendingSum(self._model, layout, self._start_sum(layout.flat))
 
 
+@dataclass
 class TracedStates:
     """`MetricSync.traced_copy`'s buffers; `finish()` gives the global
     results once `flat` holds the sum over the processes. The first
     `metric_count` of `variables` are metric states, the rest the state
-    averaged with them."""
+    averaged with them; `local` keeps this process' own values."""
 
-    def __init__(
-        self,
-        model: Any,
-        world_size: int,
-        metric_count: int,
-        variables: tuple[Any, ...],
-        tensors: list[torch.Tensor],
-        local: torch.Tensor,
-        flat: torch.Tensor,
-    ):
-        self._model = model
-        self._world_size = world_size
-        self._metric_count = metric_count
-        self._variables = variables
-        self._tensors = tensors
-        self._local = local
-        self.flat = flat
+    model: Any
+    world_size: int
+    metric_count: int
+    variables: tuple[Any, ...]
+    tensors: list[torch.Tensor]
+    local: torch.Tensor
+    flat: torch.Tensor
 
     def finish(self) -> dict[str, Any]:
-        tensors, metric_count = self._tensors, self._metric_count
+        tensors, metric_count = self.tensors, self.metric_count
         sizes = [tensor.numel() for tensor in tensors]
         with torch.no_grad():
             for index, (variable, tensor, total) in enumerate(
-                zip(self._variables, tensors, self.flat.split(sizes), strict=True)
+                zip(self.variables, tensors, self.flat.split(sizes), strict=True)
             ):
                 aggregation = variable.aggregation if index < metric_count else "mean"
                 if aggregation == "mean":
-                    total = total / self._world_size
+                    total = total / self.world_size
                 if aggregation in ("sum", "mean"):
                     tensor.copy_(total.view(tensor.shape))
         results = keras.tree.map_structure(
-            _detached_copy, type(self._model).get_metrics_result(self._model)
+            _detached_copy, type(self.model).get_metrics_result(self.model)
         )
         with torch.no_grad():
             for variable, tensor, own in zip(
-                self._variables[:metric_count],
+                self.variables[:metric_count],
                 tensors,
-                self._local.split(sizes),
+                self.local.split(sizes),
                 strict=False,
             ):
                 if variable.aggregation in ("sum", "mean"):
