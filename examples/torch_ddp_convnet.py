@@ -3,11 +3,12 @@
 A small convnet (convolutions without bias, each followed by batch
 normalization, then dense layers with dropout) learns scikit-learn's 8x8
 handwritten digits (no download). Every process of the job runs this same
-script; `keras_dist.DataParallel` wraps the model in torch's
-`DistributedDataParallel` for the duration of each `fit`/`evaluate`, splits
-every global batch between the processes and averages the gradients (gloo on
-CPU, nccl on GPU). Process 0 shows the progress; at the end every process
-prints the test accuracy and a checksum of its weights, which agree.
+script; `keras_dist.DataParallel` splits every global batch between the
+processes for the duration of each `fit`/`evaluate` and averages the
+gradients: on GPUs through torch's `DistributedDataParallel` (nccl), on CPU
+in one all-reduce after the backward pass (gloo). Process 0 shows the
+progress; at the end every process prints the test accuracy and a checksum of
+its weights, which agree.
 
     keras-dist launch --nproc-per-node 2 examples/torch_ddp_convnet.py
     keras-dist launch --nproc-per-node 2 examples/torch_ddp_convnet.py --epochs 3

@@ -1114,3 +1114,21 @@ def test_a_tensorflow_refusal_that_is_not_a_started_runtime_says_what_tf_said(
         get_adapter().simulate_cpu_devices(4)
     assert "could not simulate 4 CPU devices" in str(info.value)
     assert "too late" not in str(info.value)
+
+
+@pytest.mark.backend("torch")
+def test_an_unknown_torch_gradient_sync_fails_when_fit_starts(monkeypatch):
+    monkeypatch.setenv("KERAS_DIST_TORCH_GRADIENT_SYNC", "bucketed")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="KERAS_DIST_TORCH_GRADIENT_SYNC") as info:
+        model.fit(
+            np.ones((4, 3), "float32"),
+            np.zeros((4, 2), "float32"),
+            verbose=0,
+            callbacks=[kd.DistributeCallback(kd.DataParallel())],
+        )
+    assert "'bucketed'" in str(info.value)
+    assert "ddp, after_backward" in str(info.value)
+    assert kd.distribution() is None
+    assert model.optimizer.iterations.numpy() == 0

@@ -71,23 +71,23 @@ def test_accumulation_inside_a_replica_is_a_clear_error_on_tensorflow():
 
 
 @pytest.mark.backend("torch")
-def test_accumulation_all_reduces_once_per_update_on_torch(tmp_path):
-    """2 processes. A counting communication hook on keras_dist's DDP counts
-    its gradient all-reduces: one per weight update (the model's gradients fit in
-    one bucket), none on the micro-steps in between (whose metric sums take an
-    all-reduce of their own)."""
+@pytest.mark.parametrize("gradient_sync", ["after_backward", "ddp"])
+def test_accumulation_all_reduces_once_per_update_on_torch(tmp_path, gradient_sync):
+    """2 processes, the gradients averaged after backward (CPU's default) or
+    by DDP (CUDA's): one gradient all-reduce per weight update (the model's
+    gradients fit in one of DDP's buckets), none on the micro-steps in
+    between (whose metric sums take an all-reduce of their own)."""
     results = run_job(
         "gradient_accumulation_worker.py",
         [],
         processes=2,
-        env={"KERAS_BACKEND": "torch"},
+        env={"KERAS_BACKEND": "torch", "KERAS_DIST_TORCH_GRADIENT_SYNC": gradient_sync},
         output_dir=tmp_path,
     )
     updates = worker.MICRO_STEPS // worker.ACCUMULATION
     for result in results:
         assert result["processes"] == 2
         _assert_parity(result)
-        # One DistributedDataParallel per optimizer's distributed fit.
         assert result["all_reduces"] == [updates] * len(worker.OPTIMIZERS)
     assert results[0] == results[1]
 

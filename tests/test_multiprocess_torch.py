@@ -113,6 +113,52 @@ def test_predict_returns_every_row_in_order_on_every_rank(two_processes, one_pro
         )
 
 
+@pytest.fixture(scope="module")
+def cpu_less_job(tmp_path_factory):
+    """NCCL, the backend `kd.initialize()` starts where CUDA is available,
+    refuses CPU tensors; a default group that has gloo for CUDA tensors only
+    (`cuda:gloo`) stands in for it on this CPU machine."""
+    results, _ = run_job_once(
+        tmp_path_factory,
+        "torch_cpu_less",
+        "torch_worker.py",
+        ["default_group,train,train_batch_norm"],
+        processes=2,
+        env={**TORCH, "KERAS_DIST_TORCH_BACKEND": "cuda:gloo"},
+    )
+    return results
+
+
+def test_cpu_collectives_leave_a_default_group_that_refuses_cpu_tensors(
+    cpu_less_job, references
+):
+    """keras_dist's collectives on CPU tensors (metric sums, batch sizes,
+    input fingerprints, random streams, barriers) and on the CPU model's
+    (DDP, synchronized BatchNorm) run on a gloo group of the same processes:
+    training, logs, evaluation and predictions equal one process'."""
+    for result in cpu_less_job:
+        group = result["default_group"]
+        assert group["backend"] == "cuda:gloo"
+        assert "cpu" in group["cpu_refused"]
+        for name in ("train", "train_batch_norm"):
+            ours, reference = result[name], references[name]
+            for weights, expected in zip(
+                ours["weights"], reference["weights"], strict=True
+            ):
+                np.testing.assert_allclose(weights, expected, atol=1e-5, rtol=0)
+            for key, values in reference["history"].items():
+                np.testing.assert_allclose(ours["history"][key], values, atol=1e-5)
+        np.testing.assert_allclose(
+            result["train"]["predictions"],
+            references["train"]["predictions"],
+            atol=1e-5,
+        )
+        for key, value in references["train"]["evaluation"].items():
+            np.testing.assert_allclose(
+                result["train"]["evaluation"][key], value, atol=1e-5
+            )
+
+
 def test_only_rank_zero_prints(two_processes):
     # Keras' progress bar ("loss: 0.93"); warnings may come from every rank.
     _, output_dir = two_processes

@@ -1,5 +1,6 @@
-"""keras_dist's PyTorch step under `torch.compile` (`jit_compile=True`) and
-DDP: 2 real gloo processes."""
+"""keras_dist's PyTorch step under `torch.compile` (`jit_compile=True`) on 2
+real gloo processes, its gradients averaged after backward (CPU's default)
+and by DDP (CUDA's)."""
 
 from __future__ import annotations
 
@@ -16,27 +17,31 @@ pytestmark = pytest.mark.backend("torch")
 # step: its backward pass, which TorchDynamo does not trace (plain Keras'
 # compiled step breaks at `Tensor.backward()` too). Under DDP keras_dist runs
 # it in an eager function that also sums the metric states beside it
-# (`_backward_beside_sum`, which TorchDynamo skips). The other breaks are in
-# torch's and Keras' code: DDP's forward (its reducer's bookkeeping, and the
-# frame that hands the module to dynamo's DDPOptimizer, which splits the
-# module's graph at the gradient buckets), and Keras' SGD (a data-dependent
-# branch on the momentum).
+# (`_backward_beside_sum`, which TorchDynamo skips; it also averages the
+# gradients there when DDP does not). The other breaks are in torch's and
+# Keras' code: DDP's forward (its reducer's bookkeeping, and the frame that
+# hands the module to dynamo's DDPOptimizer, which splits the module's graph
+# at the gradient buckets), and Keras' SGD (a data-dependent branch on the
+# momentum).
 KERAS_DIST_BREAKS = {
     "Unsupported Tensor.backward() call": ".backward()",
     "Skip calling `torch.compiler.disable()`d function": "_backward_beside_sum(",
 }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+@pytest.fixture(scope="module", params=["after_backward", "ddp"])
+def results(request, tmp_path_factory):
     return once_per_run(
         tmp_path_factory,
-        "torch_compile",
+        f"torch_compile_{request.param}",
         lambda directory: run_job(
             "torch_compile_worker.py",
             [],
             processes=2,
-            env={"KERAS_BACKEND": "torch"},
+            env={
+                "KERAS_BACKEND": "torch",
+                "KERAS_DIST_TORCH_GRADIENT_SYNC": request.param,
+            },
             output_dir=directory,
             timeout=600.0,
         ),

@@ -5,8 +5,11 @@ The model and data of the JAX and TensorFlow data-parallel entries
 processes as the launcher starts (one CPU device each, gloo), taking turns:
 
 - `keras_dist`: `model.fit(x, y, batch_size=512, callbacks=[
-  kd.DistributeCallback(kd.DataParallel())])`: DDP, each process its share of
-  every global batch, global logs (the loss and accuracy states all-reduced).
+  kd.DistributeCallback(kd.DataParallel())])`: each process its share of
+  every global batch, the gradients averaged in one all-reduce after backward
+  (keras_dist's choice on CPU; `KERAS_DIST_TORCH_GRADIENT_SYNC=ddp` runs DDP
+  instead, its choice on CUDA), global logs (the loss and accuracy states
+  all-reduced).
 - `torch_loop`: the keras.io guide's loop on the same Keras model (the same
   seed): a `DistributedSampler` and a `DataLoader` (per-process batch 512 / N),
   the model wrapped in `DistributedDataParallel` once and called directly,
@@ -32,7 +35,13 @@ per-step sum of the metric states skipped (each step's logs are then this
 process' own; the epoch's logs are still summed): what global step logs cost;
 `plain_keras_own_rows`, plain Keras' `fit` of this process' rows alone (batch
 512 / N, no communication), and `torch_loop_own_rows`, the loop on them with no
-DDP: each side's per-step work at the per-process batch.
+DDP: each side's per-step work at the per-process batch. With
+`KERAS_DIST_BENCH_JIT=1` as well, also `plain_keras_jit_own_rows` and
+`torch_loop_jit_own_rows`: the same two compiled (`jit_compile=True`;
+`torch.compile` of the model). And `torch_loop_after_backward` (with
+`KERAS_DIST_BENCH_JIT=1` also `torch_loop_jit_after_backward`): the guide's
+loop without DDP, its gradients averaged in one all-reduce after backward, as
+keras_dist's step averages them on CPU.
 
 With `KERAS_DIST_BENCH_JIT=1` also `keras_dist_jit` (and on one process
 `plain_keras_jit`): the same fits of a model compiled with `jit_compile=True`,
@@ -137,7 +146,7 @@ def _breakdown(
         lr=float(alone.optimizer.learning_rate),
         eps=alone.optimizer.epsilon,
     )
-    return [
+    candidates = [
         Candidate(
             "keras_dist_local_logs",
             "keras_dist's fit, the per-step metric sum skipped (step logs local)",
@@ -154,6 +163,72 @@ def _breakdown(
             loop(alone, optimizer, rows_of=(x_own, y_own)),
         ),
     ]
+    if os.environ.get("KERAS_DIST_BENCH_JIT") == "1":
+        alone_jit = build_model()
+        candidates += [
+            Candidate(
+                "plain_keras_jit_own_rows",
+                "plain Keras' fit of this process' rows alone, jit_compile=True",
+                fit_steps(
+                    build_model(jit_compile=True), x_own, y_own, batch_size=share
+                ),
+            ),
+            Candidate(
+                "torch_loop_jit_own_rows",
+                "the loop on this process' rows alone, its model torch.compile'd",
+                loop(
+                    torch.compile(alone_jit),
+                    torch.optim.Adam(
+                        alone_jit.parameters(),
+                        lr=float(alone_jit.optimizer.learning_rate),
+                        eps=alone_jit.optimizer.epsilon,
+                    ),
+                    rows_of=(x_own, y_own),
+                ),
+            ),
+        ]
+    return candidates
+
+
+def _loops_averaging_after_backward(
+    loop: Callable[..., Any], world_size: int, *, jit: bool
+) -> list[Candidate]:
+    """The guide's loop without DDP, its gradients averaged in one all-reduce
+    after backward, as keras_dist's step does on CPU (eager, and with
+    `KERAS_DIST_BENCH_JIT=1` also its model compiled)."""
+    from torch._utils import (  # noqa: PLC0415
+        _flatten_dense_tensors,
+        _unflatten_dense_tensors,
+    )
+
+    def candidate(name: str, compiled: bool) -> Candidate:
+        model = build_model()
+        parameters = list(model.parameters())
+
+        def average() -> None:
+            gradients = [p.grad for p in parameters]
+            flat = _flatten_dense_tensors(gradients)
+            flat /= world_size
+            torch_distributed.all_reduce(flat)
+            torch._foreach_copy_(gradients, _unflatten_dense_tensors(flat, gradients))
+
+        optimizer = torch.optim.Adam(
+            parameters,
+            lr=float(model.optimizer.learning_rate),
+            eps=model.optimizer.epsilon,
+        )
+        forward = torch.compile(model) if compiled else model
+        return Candidate(
+            name,
+            "the loop without DDP, gradients averaged in one all-reduce after "
+            "backward" + (", its model torch.compile'd" if compiled else ""),
+            loop(forward, optimizer, average=average),
+        )
+
+    candidates = [candidate("torch_loop_after_backward", False)]
+    if jit:
+        candidates.append(candidate("torch_loop_jit_after_backward", True))
+    return candidates
 
 
 def _no_wait() -> None:
@@ -186,10 +261,13 @@ def main() -> None:
     x_torch, y_torch = torch.from_numpy(x), torch.from_numpy(y).long()
 
     def loop(
-        forward: Any, optimizer: Any, rows_of: tuple | None = None
+        forward: Any,
+        optimizer: Any,
+        rows_of: tuple | None = None,
+        average: Callable[[], None] | None = None,
     ) -> Callable[[int, list], _History]:
         return lambda steps, callbacks: fit_loop(
-            steps, callbacks, forward, optimizer, rows_of
+            steps, callbacks, forward, optimizer, rows_of, average
         )
 
     def fit_loop(
@@ -198,6 +276,7 @@ def main() -> None:
         forward: Any = forward,
         optimizer: Any = optimizer,
         rows_of: tuple | None = None,
+        average: Callable[[], None] | None = None,
     ) -> _History:
         share = GLOBAL_BATCH // world_size
         if rows_of is None:
@@ -219,6 +298,8 @@ def main() -> None:
             loss = loss_fn(forward(inputs), targets)
             optimizer.zero_grad()
             loss.backward()
+            if average is not None:
+                average()
             optimizer.step()
             running_loss += loss.item()
             for callback in callbacks:
@@ -301,6 +382,9 @@ def main() -> None:
             )
     if world_size > 1 and os.environ.get("KERAS_DIST_BENCH_BREAKDOWN") == "1":
         candidates += _breakdown(x, y, world_size, rank, loop)
+        candidates += _loops_averaging_after_backward(
+            loop, world_size, jit=os.environ.get("KERAS_DIST_BENCH_JIT") == "1"
+        )
     if world_size > 1 and keras_wraps_in_ddp():
         share = GLOBAL_BATCH // world_size
         # This process' rows of each global batch, as keras_dist gives it.

@@ -5,8 +5,11 @@ accumulation and once with one batch ACCUMULATION times larger.
 Imported by tests/test_gradient_accumulation.py (JAX and TensorFlow, one
 process) and run as one rank of a PyTorch job by `tests.multiprocess.run_job`:
 Usage: python gradient_accumulation_worker.py OUTPUT_JSON
-On PyTorch every all-reduce of DDP's gradient buckets is counted through a
-communication hook registered on each `DistributedDataParallel` made.
+On PyTorch every gradient all-reduce is counted: with DDP
+(`KERAS_DIST_TORCH_GRADIENT_SYNC=ddp`) through a communication hook registered
+on each `DistributedDataParallel` made, else (the gradients averaged after
+backward) each `all_reduce` of a float32 tensor (the metric states' sums are
+float64).
 """
 
 from __future__ import annotations
@@ -72,22 +75,24 @@ def weights(model: keras.Model) -> list[list[float]]:
 
 
 def run(
-    distribution: Callable[[], kd.Distribution], counters: list[list[int]] | None = None
+    distribution: Callable[[], kd.Distribution],
+    counted: Callable[[], int] | None = None,
 ) -> dict:
     """Per optimizer: the weights trained under `distribution()` and those of
     both one-device references, the optimizers' step counters and (with
-    `counters`) the all-reduce counts of the DDPs the distributed fit built.
-    In a job, Keras 3.16 wraps the references in its own DDP (their data is the
-    same on every process, so they still train as on one device): those are
-    not keras_dist's and are not counted."""
+    `counted`, the gradient all-reduces so far) the distributed fit's
+    gradient all-reduces. In a job, Keras 3.16 wraps the references in its own
+    DDP (their data is the same on every process, so they still train as on
+    one device): they train after the count, which is keras_dist's alone."""
     result = {}
     all_reduces = []
     for name in OPTIMIZERS:
-        built = len(counters or ())
+        before = counted() if counted else 0
         model = train(
             name, accumulate=True, callbacks=(kd.DistributeCallback(distribution()),)
         )
-        all_reduces += [counter[0] for counter in (counters or ())[built:]]
+        if counted:
+            all_reduces.append(counted() - before)
         plain = train(name, accumulate=True)
         big = train(name, accumulate=False)
         result[name] = {
@@ -97,18 +102,33 @@ def run(
             "iterations": int(np.asarray(model.optimizer.iterations)),
             "big_batch_iterations": int(np.asarray(big.optimizer.iterations)),
         }
-    if counters is not None:
+    if counted is not None:
         result["all_reduces"] = all_reduces
     return result
 
 
-def count_gradient_all_reduces() -> list[list[int]]:
-    """One counter per DistributedDataParallel made from now on: how many
-    times it all-reduced a gradient bucket (a communication hook doing what
-    DDP's own reducer does, counting)."""
+def count_gradient_all_reduces() -> Callable[[], int]:
+    """How many gradient all-reduces ran from now on (see the module)."""
+    import torch
+    import torch.distributed as torch_distributed
+
+    from keras_dist.backends.torch.adapter import gradient_sync
+
+    if gradient_sync(torch.device("cpu")) != "ddp":
+        calls = [0]
+        all_reduce = torch_distributed.all_reduce
+
+        def counting_all_reduce(tensor, *args, **kwargs):
+            calls[0] += tensor.dtype == torch.float32
+            return all_reduce(tensor, *args, **kwargs)
+
+        torch_distributed.all_reduce = counting_all_reduce
+        return lambda: calls[0]
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
+    # One counter per DistributedDataParallel made: how many times it
+    # all-reduced a gradient bucket (a hook doing what DDP's reducer does).
     counters: list[list[int]] = []
     original = DistributedDataParallel.__init__
 
@@ -124,13 +144,12 @@ def count_gradient_all_reduces() -> list[list[int]]:
         self.register_comm_hook(None, counting)
 
     DistributedDataParallel.__init__ = __init__
-    return counters
+    return lambda: sum(counter[0] for counter in counters)
 
 
 def main() -> None:
     kd.initialize()
-    counters = count_gradient_all_reduces()
-    result = run(kd.DataParallel, counters)
+    result = run(kd.DataParallel, count_gradient_all_reduces())
     result["processes"] = kd.num_processes()
     with open(sys.argv[-1], "w") as handle:
         json.dump(result, handle)

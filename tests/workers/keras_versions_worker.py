@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import pathlib
 import sys
 
@@ -132,9 +133,16 @@ def _model_parallel() -> kd.ModelParallel:
     return kd.ModelParallel(layout_map=layout_map)
 
 
+# PyTorch: the entries whose gradients DDP averages (CUDA's default, chosen
+# here by its variable); the others average them after backward (CPU's).
+DDP_ENTRIES = ("trainer", "trainer_global")
+
+
 def run_entry(entry: str) -> dict:
     distribution = kd.DataParallel()
     callbacks = []
+    sync = "ddp" if entry in DDP_ENTRIES else "after_backward"
+    os.environ["KERAS_DIST_TORCH_GRADIENT_SYNC"] = sync
     if entry == "callback":
         model = scenarios.build()
         callbacks.append(kd.DistributeCallback(distribution))
@@ -168,6 +176,7 @@ def run_entry(entry: str) -> dict:
             "ddp_wrappers": counts.ddp_wrappers,
             "keras_ddp_model": counts.keras_ddp_model,
             "ddp_model_after": type(vars(model).get("ddp_model")).__name__,
+            "gradient_sync": sync,
         }
     if entry == "model_parallel_scope":
         result["model_parallel"] = {**during.seen, "kernel_built_as": built}

@@ -215,6 +215,21 @@ def unused_weight(distributed: bool = True) -> dict:
     }
 
 
+def default_group() -> dict:
+    """What the job's default process group is, whether it refuses a CPU
+    tensor (as NCCL does), and a bounded barrier (gloo's monitored one)."""
+    import torch
+    import torch.distributed as torch_distributed
+
+    try:
+        torch_distributed.all_reduce(torch.ones(1))
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    get_adapter().barrier("default_group", timeout_seconds=60)
+    return {"backend": torch_distributed.get_backend(), "cpu_refused": refused}
+
+
 def main() -> None:
     scenarios_given, output = sys.argv[1], sys.argv[2]
     if "," in scenarios_given:
@@ -245,6 +260,8 @@ def run(scenario: str, output: str) -> dict:
         )
     elif scenario == "own_data":
         result = own_data()
+    elif scenario == "default_group":
+        result = default_group()
     elif scenario == "own_data_reference":
         result = own_data_reference()
     elif scenario == "lose_a_process":

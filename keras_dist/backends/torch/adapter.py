@@ -34,6 +34,7 @@ import keras
 import numpy as np
 import torch
 import torch.distributed as torch_distributed
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.nn.parallel import DistributedDataParallel
 
@@ -81,6 +82,32 @@ def _placements() -> Any:
     from keras_dist.backends.torch import placements  # noqa: PLC0415
 
     return placements
+
+
+#: How keras_dist's own train step averages the gradients over the processes.
+GRADIENT_SYNC_VARIABLE = "KERAS_DIST_TORCH_GRADIENT_SYNC"
+GRADIENT_SYNCS = ("ddp", "after_backward")
+
+
+def gradient_sync(device: torch.device) -> str:
+    """`KERAS_DIST_TORCH_GRADIENT_SYNC`, else what suits `device`:
+
+    - `ddp`: DistributedDataParallel's bucketed all-reduces, started during
+      the backward pass (on CUDA, NCCL runs them beside the backward kernels);
+    - `after_backward`: one all-reduce per dtype of every gradient, after the
+      backward pass (on CPU, where gloo's threads would run on the cores the
+      backward pass uses: nothing to overlap with, and no per-bucket work, nor
+      graph splits at the buckets in a compiled step).
+    """
+    chosen = os.environ.get(GRADIENT_SYNC_VARIABLE, "").strip()
+    if not chosen:
+        return "ddp" if device.type == "cuda" else "after_backward"
+    if chosen not in GRADIENT_SYNCS:
+        raise ValueError(
+            f"{GRADIENT_SYNC_VARIABLE} must be one of {', '.join(GRADIENT_SYNCS)} "
+            f"(or unset: ddp on CUDA, after_backward on CPU). Received: {chosen!r}"
+        )
+    return chosen
 
 
 def _use_local_gpu() -> None:
@@ -194,7 +221,7 @@ class TorchAdapter(BackendAdapter):
         *,
         timeout_seconds: float,
     ) -> None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = process_group.backend_to_start()
         _use_local_gpu()
         try:
             torch_distributed.init_process_group(
@@ -208,8 +235,12 @@ class TorchAdapter(BackendAdapter):
             raise RuntimeError(
                 f"Process {process_id} of {num_processes} could not join the job "
                 f"coordinated at {coordinator_address} within {timeout_seconds:g} "
-                f"s: {error}"
+                f"s (torch.distributed backend {backend!r}; "
+                f"{process_group.BACKEND_VARIABLE} chooses another): {error}"
             ) from error
+        # keras_dist's collectives on CPU tensors need gloo: NCCL's job gets a
+        # gloo group of the same processes, made here while every process is.
+        process_group.cpu_group()
         # Without this, gloo may abort the interpreter at exit ("terminate
         # called without an active exception").
         atexit.register(_destroy_process_group)
@@ -372,21 +403,36 @@ class TorchAdapter(BackendAdapter):
     def _collectives(self, model: Any, user_steps: set[str]) -> internals.Collectives:
         world_size, _ = self._world()
         forward = model
-        if world_size > 1 and "train_step" not in user_steps:
+        sync = gradient_sync(self._device())
+        own_step = world_size > 1 and "train_step" not in user_steps
+        after_backward = own_step and sync == "after_backward"
+        if own_step and not after_backward:
             # Gradients are averaged by DDP's bucketed all-reduce during backward,
             # DDP's own (C++) reducer: a Python communication hook would run
             # each bucket's all-reduce through the interpreter lock, which
-            # gloo's threads then wait for. (The user's own train_step calls the
-            # model itself: its optimizers average the gradients instead, see
-            # `average_gradients`.)
-            forward = DistributedDataParallel(model)
+            # gloo's threads then wait for. With `after_backward` (on CPU) the
+            # step averages them itself, `average_after_backward`. (The user's
+            # own train_step calls the model itself: its optimizers average
+            # the gradients instead, see `average_gradients`.)
+            forward = DistributedDataParallel(
+                model, process_group=process_group.group_for(self._device())
+            )
+
+        # The group for each device's tensors (gloo for CPU tensors, also in
+        # an NCCL job), looked up here, outside any compiled step.
+        cpu_group = process_group.cpu_group()
+
+        def group_of(tensor: Any) -> Any:
+            return cpu_group if tensor.device.type == "cpu" else None
 
         def average_gradients(gradients: list[Any]) -> list[Any]:
             present = [g for g in gradients if g is not None]
             if world_size == 1 or not present:
                 return gradients
             flat = torch.cat([g.reshape(-1) for g in present]) / world_size
-            torch_distributed.all_reduce(flat, op=torch_distributed.ReduceOp.SUM)
+            torch_distributed.all_reduce(
+                flat, op=torch_distributed.ReduceOp.SUM, group=group_of(flat)
+            )
             averaged, offset = [], 0
             for gradient in gradients:
                 if gradient is None:
@@ -403,18 +449,39 @@ class TorchAdapter(BackendAdapter):
             if torch.compiler.is_compiling():
                 # Traced into the compiled step (TorchDynamo makes it a
                 # functional all-reduce): summed now, in place.
-                torch_distributed.all_reduce(tensor, op=torch_distributed.ReduceOp.SUM)
+                torch_distributed.all_reduce(
+                    tensor, op=torch_distributed.ReduceOp.SUM, group=group_of(tensor)
+                )
                 return _no_wait
             work = torch_distributed.all_reduce(
-                tensor, op=torch_distributed.ReduceOp.SUM, async_op=True
+                tensor,
+                op=torch_distributed.ReduceOp.SUM,
+                group=group_of(tensor),
+                async_op=True,
             )
             return work.wait
+
+        def average_after_backward(variables: list[Any]) -> None:
+            gradients = [v.value.grad for v in variables]
+            by_dtype: dict[Any, list[Any]] = {}
+            for gradient in gradients:
+                if gradient is not None:
+                    by_dtype.setdefault(gradient.dtype, []).append(gradient)
+            for same in by_dtype.values():
+                flat = _flatten_dense_tensors(same)
+                flat /= world_size
+                torch_distributed.all_reduce(
+                    flat, op=torch_distributed.ReduceOp.SUM, group=group_of(flat)
+                )
+                torch._foreach_copy_(same, _unflatten_dense_tensors(flat, same))
 
         def gather_from_processes(tensor: Any) -> Any:
             if world_size == 1:
                 return tensor
             parts = [torch.empty_like(tensor) for _ in range(world_size)]
-            torch_distributed.all_gather(parts, tensor.contiguous())
+            torch_distributed.all_gather(
+                parts, tensor.contiguous(), group=group_of(tensor)
+            )
             return torch.cat(parts)
 
         return internals.Collectives(
@@ -426,7 +493,10 @@ class TorchAdapter(BackendAdapter):
             no_grad=torch.no_grad,
             # DDP leaves the gradients of a backward run inside this context
             # un-reduced (gradient accumulation's micro-steps).
-            skip_gradient_sync=forward.no_sync if forward is not model else None,
+            skip_gradient_sync=forward.no_sync
+            if forward is not model
+            else (contextlib.nullcontext if after_backward else None),
+            average_after_backward=average_after_backward if after_backward else None,
         )
 
     def _broadcast_from_process_zero(self, model: Any) -> None:
@@ -437,7 +507,9 @@ class TorchAdapter(BackendAdapter):
             variables += list(optimizer.variables)
         for variable in variables:
             value = variable.value.detach().clone()
-            torch_distributed.broadcast(value, src=0)
+            torch_distributed.broadcast(
+                value, src=0, group=process_group.group_for(value.device)
+            )
             variable.assign(value)
 
     def take_process_zero_streams(self) -> None:
@@ -446,7 +518,7 @@ class TorchAdapter(BackendAdapter):
 
         def broadcast(state: np.ndarray) -> np.ndarray:
             words = torch.as_tensor(state.astype("int64"))
-            torch_distributed.broadcast(words, src=0)
+            torch_distributed.broadcast(words, src=0, group=process_group.cpu_group())
             return words.numpy()
 
         take_process_zero_streams(broadcast, self.random_stream())
@@ -465,7 +537,7 @@ class TorchAdapter(BackendAdapter):
         world_size, _ = self._world()
         local = torch.tensor([fingerprint], dtype=torch.int64)
         everyone = [torch.empty_like(local) for _ in range(world_size)]
-        torch_distributed.all_gather(everyone, local)
+        torch_distributed.all_gather(everyone, local, group=process_group.cpu_group())
         check_same_input([int(t.item()) for t in everyone])
 
     def activate(self, model: Any, distribution: Any) -> None:
@@ -545,7 +617,7 @@ class TorchAdapter(BackendAdapter):
         def gather_sizes(local: np.ndarray) -> np.ndarray:
             tensor = torch.as_tensor(local)
             parts = [torch.empty_like(tensor) for _ in range(world_size)]
-            torch_distributed.all_gather(parts, tensor)
+            torch_distributed.all_gather(parts, tensor, group=process_group.cpu_group())
             return torch.stack(parts).numpy()
 
         # Per Keras data adapter wrapping a torch DataLoader: the loader split
@@ -616,7 +688,9 @@ class TorchAdapter(BackendAdapter):
             # normalizes over the whole global batch (SyncBatchNorm). (Sharded
             # variables: DTensor's own statistics are global, nothing is padded.)
             together = GlobalBatchNorm.Replicas(
-                sum=differentiable_all_reduce,
+                sum=lambda tensor: differentiable_all_reduce(
+                    tensor, group=process_group.group_for(tensor.device)
+                ),
                 index=lambda: rank,
                 count=world_size,
                 fused=global_moments,

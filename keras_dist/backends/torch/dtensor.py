@@ -72,6 +72,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_dist.backends.torch import keras_internals as internals
+from keras_dist.backends.torch import process_group
 from keras_dist.backends.torch.fsdp_compute import to_full
 from keras_dist.backends.torch.fsdp_plain import (
     PlainCompute,
@@ -254,7 +255,9 @@ class ShardedRun:
             # The optimizer's scalars (iterations...) start as process 0's too.
             for variable in self._plain_optimizer_variables():
                 value = variable.value.detach().clone()
-                torch_distributed.broadcast(value, src=0)
+                torch_distributed.broadcast(
+                    value, src=0, group=process_group.group_for(value.device)
+                )
                 variable.assign(value)
         internals.retrack_parameters(self.model)
         self._all_layers = layers_of(self.model)

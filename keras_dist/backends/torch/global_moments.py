@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as torch_distributed
 
+from keras_dist.backends.torch import process_group
+
 
 def global_moments(
     inputs: torch.Tensor, axes: tuple[int, ...]
@@ -69,7 +71,7 @@ def _global_statistics(
     local = torch.cat([mean.new_full((1,), float(count)), mean.reshape(-1), deviations])
     each = local.new_zeros((torch_distributed.get_world_size(), local.numel()))
     each[torch_distributed.get_rank()] = local
-    torch_distributed.all_reduce(each)
+    torch_distributed.all_reduce(each, group=process_group.group_for(each.device))
     counts, means = each[:, :1], each[:, 1 : 1 + channels]
     total = counts.sum()
     global_mean = (counts * means).sum(0) / total
@@ -94,7 +96,7 @@ class _GlobalMoments(torch.autograd.Function):
         # Every process' loss reads the global statistics: their gradients
         # summed over the processes, in one all-reduce.
         grads = torch.cat([grad_mean, grad_variance])
-        torch_distributed.all_reduce(grads)
+        torch_distributed.all_reduce(grads, group=process_group.group_for(grads.device))
         channels = mean.numel()
         slope = grads[channels:] * (2.0 / total)
         offset = grads[:channels] / total - slope * mean
@@ -192,7 +194,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
         )
         # Every process' loss reads the global statistics: one all-reduce.
         sums = torch.cat([sum_dy, sum_dy_normalized])
-        torch_distributed.all_reduce(sums)
+        torch_distributed.all_reduce(sums, group=process_group.group_for(sums.device))
         mean_dy = sums[:channels] / total
         mean_dy_normalized = sums[channels:] / total
         inverse_std = torch.rsqrt(variance + ctx.epsilon)

@@ -77,6 +77,9 @@ class Collectives:
     # A context around the loss computation (FSDP's plain compute: weight
     # regularizers read whole weights in it).
     loss_scope: Callable[[], Any] = contextlib.nullcontext
+    # Averages the variables' gradients (`.grad`) over the processes in place,
+    # after backward; None where DDP averages them during backward.
+    average_after_backward: Callable[[list[Any]], None] | None = None
 
 
 def check() -> list[str]:
@@ -339,7 +342,11 @@ def _check_gradient_accumulation() -> list[str]:
 
 @torch.compiler.disable
 def _backward_beside_sum(
-    loss: Any, flat: Any, start_sum: Callable[[Any], Callable[[], None]]
+    loss: Any,
+    flat: Any,
+    start_sum: Callable[[Any], Callable[[], None]],
+    average: Callable[[list[Any]], None] | None,
+    trainable: list[Any],
 ) -> None:
     """A compiled step's backward pass, with the sum of the metric states
     (`flat`) over the processes running beside it, as in the eager step.
@@ -348,6 +355,8 @@ def _backward_beside_sum(
     otherwise run inside the next graph, after backward, on the step's path."""
     wait = start_sum(flat)
     loss.backward()
+    if average is not None:
+        average(trainable)
     wait()
 
 
@@ -448,11 +457,16 @@ def make_steps(
                 if look_for_unused[0] is None:
                     look_for_unused[0] = bool(unused)
                 loss = unused_weights.reach(loss, unused)
+            average = collectives.average_after_backward
             if update and traced is not None:
-                _backward_beside_sum(loss, traced.flat, collectives.start_sum)
+                _backward_beside_sum(
+                    loss, traced.flat, collectives.start_sum, average, trainable
+                )
                 summed_beside_backward = True
             elif update:
                 loss.backward()
+                if average is not None:
+                    average(trainable)
             else:
                 with local():
                     loss.backward()
