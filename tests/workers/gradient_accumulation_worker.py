@@ -112,7 +112,7 @@ def count_gradient_all_reduces() -> Callable[[], int]:
     import torch
     import torch.distributed as torch_distributed
 
-    from keras_dist.backends.torch.adapter import gradient_sync
+    from keras_dist.backends.torch.process_group import gradient_sync
 
     if gradient_sync(torch.device("cpu")) != "ddp":
         calls = [0]

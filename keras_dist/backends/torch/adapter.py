@@ -84,32 +84,6 @@ def _placements() -> Any:
     return placements
 
 
-#: How keras_dist's own train step averages the gradients over the processes.
-GRADIENT_SYNC_VARIABLE = "KERAS_DIST_TORCH_GRADIENT_SYNC"
-GRADIENT_SYNCS = ("ddp", "after_backward")
-
-
-def gradient_sync(device: torch.device) -> str:
-    """`KERAS_DIST_TORCH_GRADIENT_SYNC`, else what suits `device`:
-
-    - `ddp`: DistributedDataParallel's bucketed all-reduces, started during
-      the backward pass (on CUDA, NCCL runs them beside the backward kernels);
-    - `after_backward`: one all-reduce per dtype of every gradient, after the
-      backward pass (on CPU, where gloo's threads would run on the cores the
-      backward pass uses: nothing to overlap with, and no per-bucket work, nor
-      graph splits at the buckets in a compiled step).
-    """
-    chosen = os.environ.get(GRADIENT_SYNC_VARIABLE, "").strip()
-    if not chosen:
-        return "ddp" if device.type == "cuda" else "after_backward"
-    if chosen not in GRADIENT_SYNCS:
-        raise ValueError(
-            f"{GRADIENT_SYNC_VARIABLE} must be one of {', '.join(GRADIENT_SYNCS)} "
-            f"(or unset: ddp on CUDA, after_backward on CPU). Received: {chosen!r}"
-        )
-    return chosen
-
-
 def _use_local_gpu() -> None:
     """Each process of a host on its own GPU, as torchrun users expect: the
     GPU of its local rank (`LOCAL_RANK` from `keras-dist launch` and
@@ -403,7 +377,7 @@ class TorchAdapter(BackendAdapter):
     def _collectives(self, model: Any, user_steps: set[str]) -> internals.Collectives:
         world_size, _ = self._world()
         forward = model
-        sync = gradient_sync(self._device())
+        sync = process_group.gradient_sync(self._device())
         own_step = world_size > 1 and "train_step" not in user_steps
         after_backward = own_step and sync == "after_backward"
         if own_step and not after_backward:

@@ -71,14 +71,13 @@ class Collectives:
     average_gradients: Callable[[list[Any]], list[Any]]
     forward: Callable[..., Any]  # the model's forward through DDP
     no_grad: Callable[[], Any]
-    # A context in which backward leaves the gradients un-reduced (DDP's
-    # `no_sync`); None when nothing reduces them during backward.
+    # A context for a micro-step's backward, whose gradients stay un-reduced
+    # (DDP's `no_sync`; a null one when averaged after backward), or None.
     skip_gradient_sync: Callable[[], Any] | None = None
     # A context around the loss computation (FSDP's plain compute: weight
     # regularizers read whole weights in it).
     loss_scope: Callable[[], Any] = contextlib.nullcontext
-    # Averages the variables' gradients (`.grad`) over the processes in place,
-    # after backward; None where DDP averages them during backward.
+    # Averages the variables' `.grad` in place after backward (None: DDP does).
     average_after_backward: Callable[[list[Any]], None] | None = None
 
 
@@ -198,9 +197,8 @@ def _weights(batch: Any) -> tuple[Any, Any, Any, Any, Any]:
         return x, y, None, None, None
     mask = batch.mask
     weights = masked_row_weights(mask, sample_weight)
-    # Each process averages its loss over its share of the padded batch and DDP
-    # averages the gradients over processes; this scale turns that into the mean
-    # over the real rows of the global batch.
+    # Each process' loss is over its share of the padded batch, the gradients
+    # averaged over processes: this scale makes it the real rows' mean.
     loss_weights = weights * (batch.padded_rows / batch.global_rows)
     return x, y, mask, weights, loss_weights
 
@@ -278,19 +276,13 @@ class _LocalAccumulation:
     k steps instead of one per step.
 
     Keras' optimizer adds each step's gradients into its accumulators and, on
-    every k-th step, updates the weights with (accumulated + this step's) / k,
-    then zeroes the accumulators. Here the k - 1 micro-steps run backward in
-    DDP's `no_sync`: each process' accumulators sum its own, un-reduced
-    gradients. On the k-th step, before backward, those sums are moved into
-    the parameters' `.grad` (the accumulators zeroed), so that DDP's single
-    all-reduce averages every micro-step's gradients over the processes at
-    once; the optimizer then divides by k as it always does. The mean over
-    processes of each process' sum is the sum of the all-reduced gradients:
-    the same weights as plain Keras on one device.
-
-    Not for a `LossScaleOptimizer` (mixed precision): whether it skips a step
-    depends on its gradients, which must then be the same on every process.
-    """
+    every k-th step, updates the weights with (accumulated + this step's) / k.
+    Here the k - 1 micro-steps leave each process' gradients un-reduced (in
+    DDP's `no_sync`, or without the all-reduce after backward); on the k-th
+    step those sums move into `.grad` before backward, so that one all-reduce
+    averages every micro-step's gradients at once: the same weights as plain
+    Keras on one device. Not for a `LossScaleOptimizer`: whether it skips a
+    step depends on its gradients, which must be the same on every process."""
 
     def __init__(self, optimizer: Any, steps: int):
         self._optimizer = optimizer
@@ -348,11 +340,9 @@ def _backward_beside_sum(
     average: Callable[[list[Any]], None] | None,
     trainable: list[Any],
 ) -> None:
-    """A compiled step's backward pass, with the sum of the metric states
-    (`flat`) over the processes running beside it, as in the eager step.
-    TorchDynamo does not trace `Tensor.backward()` (the step's graph breaks
-    there either way); here that break also starts the sum, which would
-    otherwise run inside the next graph, after backward, on the step's path."""
+    """A compiled step's backward pass (where TorchDynamo breaks the graph
+    either way), with the metric states' sum (`flat`) beside it, as in the
+    eager step, and the gradients' all-reduce after it where DDP has none."""
     wait = start_sum(flat)
     loss.backward()
     if average is not None:
@@ -367,9 +357,8 @@ def make_steps(
     look_for_unused: list[bool | None] = [None]
     world_size = collectives.world_size
     keras_metrics = uses_keras_compute_metrics(model)
-    # The metric states' sums over the processes: for each step's logs (with
-    # BatchNorm's statistics, which gradients do not sync), and for epoch
-    # logs and `evaluate`'s results.
+    # The metric states' sums over the processes: each step's logs (with
+    # BatchNorm's statistics), epoch logs and `evaluate`'s results.
     step_sums = _metric_sync(model, collectives, average_non_trainable=True)
     result_sums = _metric_sync(model, collectives, average_non_trainable=False)
 

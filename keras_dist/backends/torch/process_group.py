@@ -1,7 +1,7 @@
 """The torch process group's world, the group keras_dist's CPU collectives
-run on, and its bounded barrier, shared by the adapter and the modules it
-imports (`split_state`, `global_moments`), none of which may import the
-adapter back.
+run on, how its train step averages the gradients, and its bounded barrier,
+shared by the adapter and the modules it imports (`split_state`,
+`global_moments`), none of which may import the adapter back.
 
 keras_dist runs some collectives on CPU tensors whatever the model's device:
 the metric states' sums (float64 buffers), the batch sizes, the input
@@ -70,6 +70,32 @@ def group_for(device: Any) -> Any:
     group: NCCL for CUDA tensors)."""
     kind = device if isinstance(device, str) else device.type
     return cpu_group() if kind == "cpu" else None
+
+
+#: How keras_dist's own train step averages the gradients over the processes.
+GRADIENT_SYNC_VARIABLE = "KERAS_DIST_TORCH_GRADIENT_SYNC"
+GRADIENT_SYNCS = ("ddp", "after_backward")
+
+
+def gradient_sync(device: torch.device) -> str:
+    """`KERAS_DIST_TORCH_GRADIENT_SYNC`, else what suits `device`:
+
+    - `ddp`: DistributedDataParallel's bucketed all-reduces, started during
+      the backward pass (on CUDA, NCCL runs them beside the backward kernels);
+    - `after_backward`: one all-reduce per dtype of every gradient, after the
+      backward pass (on CPU, where gloo's threads would run on the cores the
+      backward pass uses: nothing to overlap with, and no per-bucket work, nor
+      graph splits at the buckets in a compiled step).
+    """
+    chosen = os.environ.get(GRADIENT_SYNC_VARIABLE, "").strip()
+    if not chosen:
+        return "ddp" if device.type == "cuda" else "after_backward"
+    if chosen not in GRADIENT_SYNCS:
+        raise ValueError(
+            f"{GRADIENT_SYNC_VARIABLE} must be one of {', '.join(GRADIENT_SYNCS)} "
+            f"(or unset: ddp on CUDA, after_backward on CPU). Received: {chosen!r}"
+        )
+    return chosen
 
 
 def bounded_barrier(timeout_seconds: float) -> None:
