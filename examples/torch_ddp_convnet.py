@@ -1,4 +1,4 @@
-"""PyTorch DistributedDataParallel through a plain `model.fit`.
+"""PyTorch data parallel (DDP) through a plain `model.fit`.
 
 A small convnet (convolutions without bias, each followed by batch
 normalization, then dense layers with dropout) learns scikit-learn's 8x8

@@ -114,29 +114,37 @@ def test_predict_returns_every_row_in_order_on_every_rank(two_processes, one_pro
 
 
 @pytest.fixture(scope="module")
-def cpu_less_job(tmp_path_factory):
+def cpu_less_jobs(tmp_path_factory):
     """NCCL, the backend `kd.initialize()` starts where CUDA is available,
     refuses CPU tensors; a default group that has gloo for CUDA tensors only
-    (`cuda:gloo`) stands in for it on this CPU machine."""
-    results, _ = run_job_once(
-        tmp_path_factory,
-        "torch_cpu_less",
-        "torch_worker.py",
-        ["default_group,train,train_batch_norm"],
-        processes=2,
-        env={**TORCH, "KERAS_DIST_TORCH_BACKEND": "cuda:gloo"},
-    )
-    return results
+    (`cuda:gloo`) stands in for it on this CPU machine. One job per way of
+    averaging the gradients (after backward: CPU's default; DDP: CUDA's)."""
+    return {
+        sync: run_job_once(
+            tmp_path_factory,
+            f"torch_cpu_less_{sync}",
+            "torch_worker.py",
+            ["default_group,train,train_batch_norm,branch_per_process"],
+            processes=2,
+            env={
+                **TORCH,
+                "KERAS_DIST_TORCH_BACKEND": "cuda:gloo",
+                "KERAS_DIST_TORCH_GRADIENT_SYNC": sync,
+            },
+        )[0]
+        for sync in ("after_backward", "ddp")
+    }
 
 
 def test_cpu_collectives_leave_a_default_group_that_refuses_cpu_tensors(
-    cpu_less_job, references
+    cpu_less_jobs, references
 ):
     """keras_dist's collectives on CPU tensors (metric sums, batch sizes,
     input fingerprints, random streams, barriers) and on the CPU model's
-    (DDP, synchronized BatchNorm) run on a gloo group of the same processes:
-    training, logs, evaluation and predictions equal one process'."""
-    for result in cpu_less_job:
+    (the gradients' all-reduce or DDP, synchronized BatchNorm) run on a gloo
+    group of the same processes: training, logs, evaluation and predictions
+    equal one process'."""
+    for result in cpu_less_jobs["after_backward"] + cpu_less_jobs["ddp"]:
         group = result["default_group"]
         assert group["backend"] == "cuda:gloo"
         assert "cpu" in group["cpu_refused"]
@@ -157,6 +165,31 @@ def test_cpu_collectives_leave_a_default_group_that_refuses_cpu_tensors(
             np.testing.assert_allclose(
                 result["train"]["evaluation"][key], value, atol=1e-5
             )
+
+
+def test_a_weight_only_some_processes_reach_trains_alike_everywhere(cpu_less_jobs):
+    """Each process' rows take a different branch, every step: both branches
+    train (their gradients averaged with the other process' zeros), every
+    process ends with the same weights, the same both ways of averaging."""
+    by_sync = {
+        sync: [result["branch_per_process"] for result in results]
+        for sync, results in cpu_less_jobs.items()
+    }
+    for results in by_sync.values():
+        first, second = results
+        for ours, theirs in zip(first["weights"], second["weights"], strict=True):
+            np.testing.assert_array_equal(ours, theirs)
+        # Process 0's initial weights won; each branch's kernel moved.
+        for initial, trained in zip(
+            first["initial"][::2], first["weights"][::2], strict=True
+        ):
+            assert np.abs(np.subtract(initial, trained)).max() > 1e-3
+    for ours, theirs in zip(
+        by_sync["after_backward"][0]["weights"],
+        by_sync["ddp"][0]["weights"],
+        strict=True,
+    ):
+        np.testing.assert_allclose(ours, theirs, atol=1e-6)
 
 
 def test_only_rank_zero_prints(two_processes):

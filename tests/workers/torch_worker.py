@@ -230,6 +230,43 @@ def default_group() -> dict:
     return {"backend": torch_distributed.get_backend(), "cpu_refused": refused}
 
 
+def branch_per_process() -> dict:
+    """A layer that takes one of two Dense branches by the sign of its batch:
+    process 0's rows take one, process 1's the other, so each process' loss
+    misses the branch the other's reaches, every step."""
+    from keras import ops
+
+    class Branch(keras.layers.Layer):
+        def build(self, shape):
+            self.up, self.down = keras.layers.Dense(2), keras.layers.Dense(2)
+            self.up.build(shape)
+            self.down.build(shape)
+
+        def call(self, x):
+            positive = float(ops.convert_to_numpy(ops.mean(x[:, 0]))) > 0
+            return self.up(x) if positive else self.down(x)
+
+    worker_seed.set_random_seed(100 + kd.process_id())
+    model = keras.Sequential([keras.Input((3,)), Branch()])
+    model.compile(optimizer="adam", loss="mse")
+    initial = [np.asarray(w).tolist() for w in model.get_weights()]
+    x = np.abs(np.random.default_rng(0).normal(size=(32, 3))).astype("float32")
+    x.reshape(4, 2, 4, 3)[:, 1] *= -1  # the second half of each batch of 8
+    model.fit(
+        x,
+        np.ones((32, 2), "float32"),
+        batch_size=8,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(kd.DataParallel())],
+    )
+    return {
+        "initial": initial,
+        "weights": [np.asarray(w).tolist() for w in model.get_weights()],
+    }
+
+
 def main() -> None:
     scenarios_given, output = sys.argv[1], sys.argv[2]
     if "," in scenarios_given:
@@ -262,6 +299,8 @@ def run(scenario: str, output: str) -> dict:
         result = own_data()
     elif scenario == "default_group":
         result = default_group()
+    elif scenario == "branch_per_process":
+        result = branch_per_process()
     elif scenario == "own_data_reference":
         result = own_data_reference()
     elif scenario == "lose_a_process":

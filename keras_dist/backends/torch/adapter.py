@@ -212,9 +212,6 @@ class TorchAdapter(BackendAdapter):
                 f"s (torch.distributed backend {backend!r}; "
                 f"{process_group.BACKEND_VARIABLE} chooses another): {error}"
             ) from error
-        # keras_dist's collectives on CPU tensors need gloo: NCCL's job gets a
-        # gloo group of the same processes, made here while every process is.
-        process_group.cpu_group()
         # Without this, gloo may abort the interpreter at exit ("terminate
         # called without an active exception").
         atexit.register(_destroy_process_group)
@@ -227,6 +224,11 @@ class TorchAdapter(BackendAdapter):
                 torch_distributed.distributed_c10d._set_pg_timeout
             )
             set_timeout(datetime.timedelta(seconds=outlast))
+        # keras_dist's collectives on CPU tensors need gloo: NCCL's job gets a
+        # gloo group of the same processes, made here while every process is,
+        # waiting as long as the default group's.
+        waits = max(outlast if heartbeat.hang_timeout() > 0 else 0, timeout_seconds)
+        process_group.cpu_group(datetime.timedelta(seconds=waits))
 
     def barrier(self, name: str, *, timeout_seconds: float) -> None:
         try:
@@ -436,18 +438,32 @@ class TorchAdapter(BackendAdapter):
             return work.wait
 
         def average_after_backward(variables: list[Any]) -> None:
-            gradients = [v.value.grad for v in variables]
+            # Every process all-reduces the same sizes: a weight without a
+            # gradient here (a branch this process' rows did not take) sends
+            # zeros, and one flag a weight says which processes had one.
             by_dtype: dict[Any, list[Any]] = {}
-            for gradient in gradients:
-                if gradient is not None:
-                    by_dtype.setdefault(gradient.dtype, []).append(gradient)
-            for same in by_dtype.values():
-                flat = _flatten_dense_tensors(same)
+            for variable in variables:
+                by_dtype.setdefault(variable.value.dtype, []).append(variable.value)
+            for weights in by_dtype.values():
+                missing = [w.grad is None for w in weights]
+                parts = [
+                    torch.zeros_like(w) if none else w.grad
+                    for w, none in zip(weights, missing, strict=True)
+                ]
+                parts.append(torch.tensor([not none for none in missing]).to(parts[0]))
+                flat = _flatten_dense_tensors(parts)
                 flat /= world_size
                 torch_distributed.all_reduce(
                     flat, op=torch_distributed.ReduceOp.SUM, group=group_of(flat)
                 )
-                torch._foreach_copy_(same, _unflatten_dense_tensors(flat, same))
+                *averaged, had = _unflatten_dense_tensors(flat, parts)
+                torch._foreach_copy_(parts[:-1], averaged)
+                if any(missing):
+                    # A gradient some process had; none where no process had one.
+                    for weight, part, anywhere in zip(
+                        weights, parts, had.tolist(), strict=False
+                    ):
+                        weight.grad = part if anywhere else None
 
         def gather_from_processes(tensor: Any) -> Any:
             if world_size == 1:

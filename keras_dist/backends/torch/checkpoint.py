@@ -40,7 +40,9 @@ _METADATA = ".metadata"
 # How long a new save or a load waits for the previous background save.
 _PREVIOUS_SAVE_SECONDS = 600.0
 
-_groups: dict[int, Any] = {}  # id(default group) -> the checkpoint group
+# [the default group, the checkpoint group]: held, so that a later job's
+# default group is never taken for this one's.
+_groups: list[Any] = [None, None]
 _in_flight: list[Pending] = []
 
 
@@ -73,10 +75,9 @@ def _group() -> Any:
     if world_size == 1:
         return None
     default = dist.distributed_c10d._get_default_group()
-    if id(default) not in _groups:
-        _groups.clear()  # a new job (the old default group was destroyed)
-        _groups[id(default)] = dist.new_group(backend="gloo")
-    return _groups[id(default)]
+    if _groups[0] is not default:
+        _groups[:] = [default, dist.new_group(backend="gloo")]
+    return _groups[1]
 
 
 @contextlib.contextmanager

@@ -1,9 +1,7 @@
 """Every Keras private internal the PyTorch adapter relies on, in one place.
 
 `tests/test_keras_internals.py` calls `check()` and fails loudly when a Keras
-release moves any of these. The adapter hands in the collectives and the
-forward pass (through DistributedDataParallel).
-"""
+release moves any of these. The adapter hands in the collectives."""
 
 from __future__ import annotations
 
@@ -353,7 +351,8 @@ def _backward_beside_sum(
 def make_steps(
     model: Any, collectives: Collectives, user_steps: set[str] = frozenset()
 ) -> dict[str, Callable]:
-    # None until the first step, then whether to look for unused weights.
+    # None until the first step, then whether to look for weights the loss
+    # does not reach on some process, under DDP (see `unused_weights`).
     look_for_unused: list[bool | None] = [None]
     world_size = collectives.world_size
     keras_metrics = uses_keras_compute_metrics(model)
@@ -438,15 +437,16 @@ def make_steps(
         if trainable:
             if accumulation is not None and update:
                 accumulation.move_into_gradients(trainable)
-            unused = []
-            if collectives.world_size > 1 and look_for_unused[0] is not False:
-                # Weights the loss does not reach (see `unused_weights`); a
-                # model whose first step reaches them all is not looked at again.
+            unused = everywhere = []
+            average = collectives.average_after_backward  # None: DDP averages
+            if world_size > 1 and average is None and look_for_unused[0] is not False:
                 unused = unused_weights.missed_by(loss, trainable)
+                anywhere, everywhere = unused_weights.agree(
+                    unused, trainable, collectives.start_sum, world_size
+                )
                 if look_for_unused[0] is None:
-                    look_for_unused[0] = bool(unused)
+                    look_for_unused[0] = bool(anywhere)
                 loss = unused_weights.reach(loss, unused)
-            average = collectives.average_after_backward
             if update and traced is not None:
                 _backward_beside_sum(
                     loss, traced.flat, collectives.start_sum, average, trainable
@@ -459,7 +459,7 @@ def make_steps(
             else:
                 with local():
                     loss.backward()
-            unused_weights.forget(unused)
+            unused_weights.forget(everywhere)
             with collectives.no_grad():
                 model.optimizer.apply([v.value.grad for v in trainable], trainable)
         if sync is not None:

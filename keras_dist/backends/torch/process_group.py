@@ -25,9 +25,9 @@ import torch.distributed as torch_distributed
 #: `init_process_group` takes: `nccl`, `gloo`, `cpu:gloo,cuda:nccl`, `mpi`).
 BACKEND_VARIABLE = "KERAS_DIST_TORCH_BACKEND"
 
-# id(default group) -> its gloo companion, or None where the default group is
-# gloo itself.
-_cpu_groups: dict[int, Any] = {}
+# [the default group, its gloo companion (None where the default group is
+# gloo itself)]: held, so a later job's group is never taken for this one's.
+_cpu_group: list[Any] = [None, None]
 
 
 def world() -> tuple[int, int]:
@@ -46,22 +46,24 @@ def backend_to_start() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def cpu_group() -> Any:
+def cpu_group(timeout: datetime.timedelta | None = None) -> Any:
     """The process group for collectives on CPU tensors: None (the default
     group) when the default group is gloo or the job has one process, else
-    a gloo group of the same processes. Making it is a collective: call it
-    where every process does, in the same order (`initialize`, a run's
+    a gloo group of the same processes, whose collectives wait `timeout`
+    (torch's default without one). Making it is a collective: call it where
+    every process does, in the same order (`initialize`, a run's
     activation); later calls return the same group."""
     if world()[0] == 1:
         return None
     default = torch_distributed.distributed_c10d._get_default_group()
-    if id(default) not in _cpu_groups:
-        _cpu_groups.clear()  # a new job (the old default group was destroyed)
+    if _cpu_group[0] is not default:
         is_gloo = torch_distributed.get_backend() == "gloo"
-        _cpu_groups[id(default)] = (
-            None if is_gloo else torch_distributed.new_group(backend="gloo")
-        )
-    return _cpu_groups[id(default)]
+        options = {} if timeout is None else {"timeout": timeout}
+        _cpu_group[:] = [
+            default,
+            None if is_gloo else torch_distributed.new_group(backend="gloo", **options),
+        ]
+    return _cpu_group[1]
 
 
 def group_for(device: Any) -> Any:

@@ -8,13 +8,17 @@ never all-reduced, so the processes stop agreeing (an error at the next step,
 or a hang). keras_dist finds them in the loss' autograd graph before backward
 (what `find_unused_parameters=True` does inside DDP's forward), adds them to
 the loss times zero, so that every bucket is reduced (a zero gradient), and
-takes their gradients away again after backward, so that the optimizer skips
-them as plain Keras' does. A model whose first step reaches every weight is
-not looked at again.
+after backward takes away the gradients of those no process' loss reached, so
+that the optimizer skips them as plain Keras' does; one another process' loss
+reached keeps the average, on every process alike. A model whose first step
+reaches every weight on every process is not looked at again. (Gradients
+averaged after backward need none of this: `average_after_backward` sends
+zeros for a missing gradient and a flag saying which processes had one.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +43,25 @@ def missed_by(loss: Any, trainable: list[Any]) -> list[Any]:
             reached.add(id(variable))
         stack.extend(function for function, _ in node.next_functions)
     return [v for v in trainable if id(v.value) not in reached]
+
+
+@torch.compiler.disable
+def agree(
+    unused: list[Any],
+    trainable: list[Any],
+    start_sum: Callable[[Any], Callable[[], None]],
+    world_size: int,
+) -> tuple[list[Any], list[Any]]:
+    """(the weights of `trainable` some process' loss missed, those every
+    process' missed), from each process' `unused`: one all-reduce of a flag
+    per weight (a collective)."""
+    missed = {id(variable) for variable in unused}
+    flags = torch.tensor([float(id(v) in missed) for v in trainable]).double()
+    start_sum(flags)()
+    counts = flags.tolist()
+    anywhere = [v for v, count in zip(trainable, counts, strict=True) if count > 0]
+    everywhere = [v for v, c in zip(trainable, counts, strict=True) if c == world_size]
+    return anywhere, everywhere
 
 
 def reach(loss: Any, unused: list[Any]) -> Any:
