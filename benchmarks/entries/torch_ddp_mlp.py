@@ -41,7 +41,9 @@ DDP: each side's per-step work at the per-process batch. With
 `torch.compile` of the model). And `torch_loop_after_backward` (with
 `KERAS_DIST_BENCH_JIT=1` also `torch_loop_jit_after_backward`): the guide's
 loop without DDP, its gradients averaged in one all-reduce after backward, as
-keras_dist's step averages them on CPU.
+keras_dist's step averages them on CPU; and `keras_dist_ddp` (with
+`KERAS_DIST_BENCH_JIT=1` also `keras_dist_jit_ddp`): keras_dist's fit with its
+gradients averaged by DDP, as on CUDA.
 
 With `KERAS_DIST_BENCH_JIT=1` also `keras_dist_jit` (and on one process
 `plain_keras_jit`): the same fits of a model compiled with `jit_compile=True`,
@@ -187,6 +189,40 @@ def _breakdown(
                 ),
             ),
         ]
+    return candidates
+
+
+def _keras_dist_under_ddp(x: Any, y: Any, *, jit: bool) -> list[Candidate]:
+    """keras_dist's fit with its gradients averaged by DDP, its way on CUDA
+    (`KERAS_DIST_TORCH_GRADIENT_SYNC=ddp` for the fit), eager and with
+    `KERAS_DIST_BENCH_JIT=1` also compiled."""
+
+    def under_ddp(fit: Callable[..., Any]) -> Callable[..., Any]:
+        def run(steps: int, callbacks: list) -> Any:
+            os.environ["KERAS_DIST_TORCH_GRADIENT_SYNC"] = "ddp"
+            try:
+                return fit(steps, callbacks)
+            finally:
+                del os.environ["KERAS_DIST_TORCH_GRADIENT_SYNC"]
+
+        return run
+
+    candidates = [
+        Candidate(
+            "keras_dist_ddp",
+            "keras_dist's fit, the gradients averaged by DDP",
+            under_ddp(fit_steps(build_model(), x, y, _keras_dist_callbacks)),
+        )
+    ]
+    if jit:
+        model = build_model(jit_compile=True)
+        candidates.append(
+            Candidate(
+                "keras_dist_jit_ddp",
+                "keras_dist's compiled fit, the gradients averaged by DDP",
+                under_ddp(fit_steps(model, x, y, _keras_dist_callbacks)),
+            )
+        )
     return candidates
 
 
@@ -382,6 +418,9 @@ def main() -> None:
             )
     if world_size > 1 and os.environ.get("KERAS_DIST_BENCH_BREAKDOWN") == "1":
         candidates += _breakdown(x, y, world_size, rank, loop)
+        candidates += _keras_dist_under_ddp(
+            x, y, jit=os.environ.get("KERAS_DIST_BENCH_JIT") == "1"
+        )
         candidates += _loops_averaging_after_backward(
             loop, world_size, jit=os.environ.get("KERAS_DIST_BENCH_JIT") == "1"
         )
