@@ -114,6 +114,26 @@ class _History:
         self.history = {"loss": [loss]}
 
 
+def _torch_adam(model: Any) -> torch.optim.Adam:
+    """torch's Adam on `model`'s parameters with its Keras optimizer's
+    learning rate and epsilon (what the hand loops train with)."""
+    return torch.optim.Adam(
+        model.parameters(),
+        lr=float(model.optimizer.learning_rate),
+        eps=model.optimizer.epsilon,
+    )
+
+
+def _own_rows(x: Any, y: Any, world_size: int, rank: int) -> tuple[Any, Any]:
+    """This process' rows of each global batch, in order, as keras_dist
+    gives them to it."""
+    share = GLOBAL_BATCH // world_size
+    rows = len(x) // GLOBAL_BATCH * GLOBAL_BATCH
+    x_own = x[:rows].reshape(-1, world_size, share, x.shape[-1])[:, rank]
+    y_own = y[:rows].reshape(-1, world_size, share)[:, rank]
+    return x_own.reshape(-1, x.shape[-1]), y_own.reshape(-1)
+
+
 def _keras_dist_callbacks() -> list:
     return [kd.DistributeCallback(kd.DataParallel())]
 
@@ -138,16 +158,8 @@ def _breakdown(
             metric_sync.MetricSync.start = original_start
 
     share = GLOBAL_BATCH // world_size
-    rows = len(x) // GLOBAL_BATCH * GLOBAL_BATCH
-    x_own = x[:rows].reshape(-1, world_size, share, x.shape[-1])[:, rank]
-    y_own = y[:rows].reshape(-1, world_size, share)[:, rank]
-    x_own, y_own = x_own.reshape(-1, x.shape[-1]), y_own.reshape(-1)
+    x_own, y_own = _own_rows(x, y, world_size, rank)
     alone = build_model()
-    optimizer = torch.optim.Adam(
-        alone.parameters(),
-        lr=float(alone.optimizer.learning_rate),
-        eps=alone.optimizer.epsilon,
-    )
     candidates = [
         Candidate(
             "keras_dist_local_logs",
@@ -162,7 +174,7 @@ def _breakdown(
         Candidate(
             "torch_loop_own_rows",
             "the loop on this process' rows alone, no DDP",
-            loop(alone, optimizer, rows_of=(x_own, y_own)),
+            loop(alone, _torch_adam(alone), rows_of=(x_own, y_own)),
         ),
     ]
     if os.environ.get("KERAS_DIST_BENCH_JIT") == "1":
@@ -180,11 +192,7 @@ def _breakdown(
                 "the loop on this process' rows alone, its model torch.compile'd",
                 loop(
                     torch.compile(alone_jit),
-                    torch.optim.Adam(
-                        alone_jit.parameters(),
-                        lr=float(alone_jit.optimizer.learning_rate),
-                        eps=alone_jit.optimizer.epsilon,
-                    ),
+                    _torch_adam(alone_jit),
                     rows_of=(x_own, y_own),
                 ),
             ),
@@ -248,17 +256,12 @@ def _loops_averaging_after_backward(
             torch_distributed.all_reduce(flat)
             torch._foreach_copy_(gradients, _unflatten_dense_tensors(flat, gradients))
 
-        optimizer = torch.optim.Adam(
-            parameters,
-            lr=float(model.optimizer.learning_rate),
-            eps=model.optimizer.epsilon,
-        )
         forward = torch.compile(model) if compiled else model
         return Candidate(
             name,
             "the loop without DDP, gradients averaged in one all-reduce after "
             "backward" + (", its model torch.compile'd" if compiled else ""),
-            loop(forward, optimizer, average=average),
+            loop(forward, _torch_adam(model), average=average),
         )
 
     candidates = [candidate("torch_loop_after_backward", False)]
@@ -286,13 +289,8 @@ def main() -> None:
     fit_kd = fit_steps(kd_model, x, y, _keras_dist_callbacks)
 
     loop_model = build_model()
-    optimizer_config = loop_model.optimizer
     forward = DistributedDataParallel(loop_model) if world_size > 1 else loop_model
-    optimizer = torch.optim.Adam(
-        loop_model.parameters(),
-        lr=float(optimizer_config.learning_rate),
-        eps=optimizer_config.epsilon,
-    )
+    optimizer = _torch_adam(loop_model)
     loss_fn = torch.nn.CrossEntropyLoss()
     x_torch, y_torch = torch.from_numpy(x), torch.from_numpy(y).long()
 
@@ -392,11 +390,7 @@ def main() -> None:
         jit_forward = torch.compile(
             DistributedDataParallel(jit_model) if world_size > 1 else jit_model
         )
-        jit_optimizer = torch.optim.Adam(
-            jit_model.parameters(),
-            lr=float(optimizer_config.learning_rate),
-            eps=optimizer_config.epsilon,
-        )
+        jit_optimizer = _torch_adam(jit_model)
         candidates.append(
             Candidate(
                 "torch_loop_jit",
@@ -425,21 +419,13 @@ def main() -> None:
             loop, world_size, jit=os.environ.get("KERAS_DIST_BENCH_JIT") == "1"
         )
     if world_size > 1 and keras_wraps_in_ddp():
-        share = GLOBAL_BATCH // world_size
-        # This process' rows of each global batch, as keras_dist gives it.
-        rows = len(x) // GLOBAL_BATCH * GLOBAL_BATCH
-        x_own = x[:rows].reshape(-1, world_size, share, x.shape[-1])[:, rank]
-        y_own = y[:rows].reshape(-1, world_size, share)[:, rank]
-        keras_model = build_model()
+        x_own, y_own = _own_rows(x, y, world_size, rank)
         candidates.append(
             Candidate(
                 "keras_ddp",
                 "Keras' own DDP: fit on this process' rows, no distribution",
                 fit_steps(
-                    keras_model,
-                    x_own.reshape(-1, x.shape[-1]),
-                    y_own.reshape(-1),
-                    batch_size=share,
+                    build_model(), x_own, y_own, batch_size=GLOBAL_BATCH // world_size
                 ),
             )
         )

@@ -34,7 +34,7 @@ import keras
 import numpy as np
 import torch
 import torch.distributed as torch_distributed
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.nn.parallel import DistributedDataParallel
 
@@ -218,16 +218,16 @@ class TorchAdapter(BackendAdapter):
         # The hang doctor names the rank a hung collective waits for; the
         # collective's own timeout (naming no rank) must not end it first.
         outlast = heartbeat.hang_timeout() + _HANG_REPORT_SECONDS
-        if heartbeat.hang_timeout() > 0 and outlast > timeout_seconds:
+        waits = max(outlast if heartbeat.hang_timeout() > 0 else 0, timeout_seconds)
+        if waits > timeout_seconds:
             # Public from torch 2.14 (the private one warns there).
             set_timeout = getattr(torch_distributed, "set_timeout", None) or (
                 torch_distributed.distributed_c10d._set_pg_timeout
             )
-            set_timeout(datetime.timedelta(seconds=outlast))
+            set_timeout(datetime.timedelta(seconds=waits))
         # keras_dist's collectives on CPU tensors need gloo: NCCL's job gets a
         # gloo group of the same processes, made here while every process is,
-        # waiting as long as the default group's.
-        waits = max(outlast if heartbeat.hang_timeout() > 0 else 0, timeout_seconds)
+        # waiting as long as the default group.
         process_group.cpu_group(datetime.timedelta(seconds=waits))
 
     def barrier(self, name: str, *, timeout_seconds: float) -> None:
@@ -401,23 +401,22 @@ class TorchAdapter(BackendAdapter):
         def group_of(tensor: Any) -> Any:
             return cpu_group if tensor.device.type == "cpu" else None
 
+        def averaged(tensors: list[Any]) -> list[Any]:
+            """Each of `tensors` averaged over the processes, in one all-reduce
+            (views of a new buffer; the tensors themselves are left alone)."""
+            flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+            flat /= world_size
+            torch_distributed.all_reduce(
+                flat, op=torch_distributed.ReduceOp.SUM, group=group_of(flat)
+            )
+            return _unflatten_dense_tensors(flat, tensors)
+
         def average_gradients(gradients: list[Any]) -> list[Any]:
             present = [g for g in gradients if g is not None]
             if world_size == 1 or not present:
                 return gradients
-            flat = torch.cat([g.reshape(-1) for g in present]) / world_size
-            torch_distributed.all_reduce(
-                flat, op=torch_distributed.ReduceOp.SUM, group=group_of(flat)
-            )
-            averaged, offset = [], 0
-            for gradient in gradients:
-                if gradient is None:
-                    averaged.append(None)
-                    continue
-                size = gradient.numel()
-                averaged.append(flat[offset : offset + size].view_as(gradient))
-                offset += size
-            return averaged
+            means = iter(averaged(present))
+            return [None if g is None else next(means) for g in gradients]
 
         def start_sum(tensor: Any) -> Any:
             if world_size == 1:
@@ -451,13 +450,8 @@ class TorchAdapter(BackendAdapter):
                     for w, none in zip(weights, missing, strict=True)
                 ]
                 parts.append(torch.tensor([not none for none in missing]).to(parts[0]))
-                flat = _flatten_dense_tensors(parts)
-                flat /= world_size
-                torch_distributed.all_reduce(
-                    flat, op=torch_distributed.ReduceOp.SUM, group=group_of(flat)
-                )
-                *averaged, had = _unflatten_dense_tensors(flat, parts)
-                torch._foreach_copy_(parts[:-1], averaged)
+                *means, had = averaged(parts)
+                torch._foreach_copy_(parts[:-1], means)
                 if any(missing):
                     # A gradient some process had; none where no process had one.
                     for weight, part, anywhere in zip(
@@ -474,6 +468,12 @@ class TorchAdapter(BackendAdapter):
             )
             return torch.cat(parts)
 
+        if after_backward:  # a micro-step of gradient accumulation: no average
+            skip_gradient_sync = contextlib.nullcontext
+        elif forward is not model:  # its gradients un-reduced in DDP's no_sync
+            skip_gradient_sync = forward.no_sync
+        else:
+            skip_gradient_sync = None
         return internals.Collectives(
             world_size=world_size,
             start_sum=start_sum,
@@ -481,11 +481,7 @@ class TorchAdapter(BackendAdapter):
             average_gradients=average_gradients,
             forward=forward,
             no_grad=torch.no_grad,
-            # DDP leaves the gradients of a backward run inside this context
-            # un-reduced (gradient accumulation's micro-steps).
-            skip_gradient_sync=forward.no_sync
-            if forward is not model
-            else (contextlib.nullcontext if after_backward else None),
+            skip_gradient_sync=skip_gradient_sync,
             average_after_backward=average_after_backward if after_backward else None,
         )
 
