@@ -155,7 +155,7 @@ def _as_scope(remat: Any) -> Any:
     if keras.backend.backend() == "tensorflow":
         raise NotImplementedError(
             "`remat=` (activation checkpointing, every mode and policy: "
-            f"{list(_NAMES)}) runs on JAX and PyTorch. On "
+            f"{list(_NAMES)}) runs on JAX and PyTorch ('offload': JAX only). On "
             "TensorFlow, Keras' rematerialization (tf.recompute_grad) fails inside "
             "a compiled step: 'The custom_gradient decorator currently supports "
             "keywords arguments only when eager execution is enabled'. Leave "
