@@ -25,14 +25,24 @@ from typing import Any
 import keras
 
 from keras_dist.distribution.policies import FSDP, DataParallel
+from keras_dist.distribution.remat import REMAT_POLICIES
 from keras_dist.keras_compat.layers import layers_of
 from keras_dist.planner.paper_mesh import check_mesh
 from keras_dist.planner.swapped import model_width
 
 POLICIES = ("data_parallel", "fsdp", "fsdp_tp")
-#: `Candidate.remat`: off, Keras' modes, or "blocks" (each transformer block
-#: of a KerasHub model, `keras.RematScope(mode="list_of_layers")`).
-REMAT = (None, "full", "activations", "larger_than", "blocks")
+#: `Candidate.remat`: off, Keras' modes, "blocks" (each transformer block of
+#: a KerasHub model, `keras.RematScope(mode="list_of_layers")`), or a named
+#: policy of `keras_dist.distribution.remat.REMAT_POLICIES` ("dots",
+#: "offload": the pieces of "full", each keeping what the policy names).
+REMAT = (
+    None,
+    "full",
+    "activations",
+    "larger_than",
+    "blocks",
+    *(name for name in REMAT_POLICIES if name != "full"),
+)
 BATCH_AXIS = "batch"
 MODEL_AXIS = "model"
 _LABELS = {
@@ -51,8 +61,10 @@ class Candidate:
             `"batch"` with a tensor-parallel layout map along `"model"`).
         mesh: `{"batch": d}` or `{"batch": d, "model": m}`, data axis first.
         remat: None (off), a Keras remat mode (`"full"`, `"activations"`,
-            `"larger_than"`) or `"blocks"`: each transformer block of a
-            KerasHub model (its backbone's `transformer_layers`) recomputed.
+            `"larger_than"`), `"blocks"`: each transformer block of a
+            KerasHub model (its backbone's `transformer_layers`) recomputed,
+            or a named policy, `"dots"` or `"offload"` (the distribution's
+            `remat=`).
 
     Example:
 

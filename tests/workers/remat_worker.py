@@ -4,8 +4,8 @@ Usage: python remat_worker.py OUTPUT
 Fits `tests.test_remat`'s model (no Dropout) with `remat="full"` under
 `kd.DataParallel` (DDP), `kd.FSDP` (with its BatchNormalization: DTensor
 compute; without: plain compute, as FSDP2) and a `kd.ModelParallel` that splits
-the blocks' kernels along a model axis, and `kd.FSDP(remat="dots")`; writes each fit's weights, history and
-the blocks' call count to OUTPUT.
+the blocks' kernels along a model axis, and `kd.FSDP(remat="dots")`; writes
+each fit's weights, history and the blocks' call count to OUTPUT.
 """
 
 from __future__ import annotations
