@@ -206,3 +206,28 @@ def test_policy_arguments_are_checked():
     assert repr(scope).startswith("RematPolicy(policy='dots', mode='full'")
     # "full" stays Keras' own scope.
     assert type(kd.DataParallel(remat="full").remat) is keras.RematScope
+
+
+@pytest.mark.backend("jax")
+def test_the_planner_takes_the_policies():
+    from keras_dist.planner.candidates import REMAT, Candidate
+
+    assert {"dots", "offload"} <= set(REMAT)
+    model = _model(dropout=False, batch_norm=False)
+    candidate = Candidate("fsdp", {"batch": 8}, remat="offload")
+    assert candidate.description == "FSDP, batch=8, remat offload"
+    mesh = kd.DeviceMesh((8,), ["batch"], kd.list_devices())
+    remat = candidate.distribution_function(model)(mesh).remat
+    assert (remat.policy, remat.mode) == ("offload", "full")
+    with pytest.raises(ValueError, match=r"'dots', 'offload'\)\. Received: remat='m"):
+        Candidate("fsdp", {"batch": 8}, remat="minimal")
+    # The compiled plan of fit's train step, its layers keeping what the
+    # policy names (on XLA's CPU backend the moves to host memory are copies).
+    plan = kd.plan(
+        model,
+        lambda mesh: kd.DataParallel(mesh, remat="offload"),
+        topology="cpu:8",
+        batch_size=16,
+        steps=("train",),
+    )
+    assert plan.compiled.peak_bytes > 0
