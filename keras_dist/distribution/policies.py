@@ -60,8 +60,10 @@ class Distribution(KerasDistribution):
             activations in the backward pass instead of keeping them, for
             less memory at the cost of one more forward computation. A mode
             of Keras' `keras.RematScope` (`"full"`, `"activations"`,
-            `"larger_than"`) or a `keras.RematScope` (for `"list_of_layers"`
-            with `layer_names`, or a threshold). The model's layers get the
+            `"larger_than"`), a policy (`"dots"`, `"offload"`: see
+            `remat.REMAT_POLICIES`) or a `keras.RematScope` (for
+            `"list_of_layers"` with `layer_names`, or a threshold). The model's
+            layers get the
             mode for each call, as if built inside the scope; layers whose
             call updates state (Dropout, BatchNormalization) are left out,
             saying so, and `"full"` recomputes the outermost layers that
