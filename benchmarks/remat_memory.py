@@ -33,6 +33,11 @@ KerasHub Gemma decoder from its config instead (`--blocks` blocks of width
   residuals of `jax.vjp`, exact), on the device and in host memory.
 - `step_ms`: the median step time (after `--skip-steps`), for the cost.
 
+`--topology v5e:1x1` trains nothing: it plans fit's train step for that
+topology (`kd.plan(..., topology=...)`, a TPU's compiled on this host with
+libtpu installed) and prints its `planned_peak_bytes` a device,
+`planned_temp_bytes`, `flops` and projected `step_ms`.
+
 `--compare` runs each policy without remat and with each of `--remats` in its
 own process (on PyTorch with `--processes N`, its own job of N processes under
 `keras-dist launch`; the figures are then the largest of any process),
@@ -48,6 +53,10 @@ KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 PYTHONPATH=. \
 # a decoder on an accelerator (the TPU v5e chip): its peak memory
 KERAS_BACKEND=jax PYTHONPATH=. python benchmarks/remat_memory.py --compare \
     --model gemma --blocks 8 --width 1024 --sequence 1024 --batch 8 --repeats 1
+# the policies planned for one TPU v5e chip (on a host with libtpu)
+KERAS_BACKEND=jax PYTHONPATH=. python benchmarks/remat_memory.py --compare \
+    --model gemma --blocks 4 --width 512 --sequence 512 --batch 8 --repeats 1 \
+    --remats full dots offload --topology v5e:1x1
 KERAS_BACKEND=torch PYTHONPATH=. python benchmarks/remat_memory.py --compare
 KERAS_BACKEND=torch PYTHONPATH=. python benchmarks/remat_memory.py --compare \
     --processes 2 --policies dp fsdp
@@ -231,7 +240,40 @@ def saved_bytes(model: keras.Model, x, y, remat) -> dict[str, int]:
     return saved
 
 
+def plan_once(args: argparse.Namespace) -> dict:
+    """The compiled plan of fit's train step on `--topology` (a TPU's compiled
+    on this host with libtpu installed): its peak bytes a device, FLOPs and
+    projected step, the layers recomputing as `--remat` says. Nothing
+    trains."""
+    remat = None if args.remat == "none" else args.remat
+    make = kd.FSDP if args.policy == "fsdp" else kd.DataParallel
+    plan = kd.plan(
+        lambda: build(args),
+        lambda mesh: make(mesh, remat=remat),
+        topology=args.topology,
+        batch_size=args.batch,
+        sequence_length=args.sequence if args.model == "gemma" else None,
+        steps=("train",),
+    )
+    train = plan.compiled.steps["train"]
+    return {
+        "model": args.model,
+        "backend": keras.backend.backend(),
+        "topology": args.topology,
+        "devices": 1,
+        "policy": args.policy,
+        "remat": remat,
+        "params": None,
+        "planned_peak_bytes": train.peak_bytes,
+        "planned_temp_bytes": train.temp_bytes,
+        "flops": train.flops,
+        "step_ms": None if train.step_seconds is None else 1000 * train.step_seconds,
+    }
+
+
 def run_once(args: argparse.Namespace) -> dict:
+    if args.topology:
+        return plan_once(args)
     if keras.backend.backend() == "torch":
         # Joins the job under `keras-dist launch` (--processes); alone otherwise.
         kd.initialize()
@@ -302,6 +344,7 @@ def compare(args: argparse.Namespace) -> None:
                 arguments += ["--width", str(args.width), "--batch", str(args.batch)]
                 arguments += ["--steps", str(args.steps)]
                 arguments += ["--skip-steps", str(args.skip_steps)]
+                arguments += ["--topology", args.topology] if args.topology else []
                 arguments += ["--remat", remat]
                 env = dict(os.environ)
                 if args.processes > 1:
@@ -328,13 +371,21 @@ def compare(args: argparse.Namespace) -> None:
             remat = runs[(policy, name)]
             key = next(
                 k
-                for k in ("device_peak_bytes", "backward_start_bytes", "xla_temp_bytes")
+                for k in (
+                    "planned_peak_bytes",
+                    "device_peak_bytes",
+                    "backward_start_bytes",
+                    "xla_temp_bytes",
+                )
                 if plain[0].get(k) is not None
             )
             saved = [(a[key] - b[key]) / mib for a, b in zip(plain, remat, strict=True)]
+            # No step time where a CPU topology's plan has no projection.
             ratio = [
-                b["step_ms"] / a["step_ms"] for a, b in zip(plain, remat, strict=True)
-            ]
+                b["step_ms"] / a["step_ms"]
+                for a, b in zip(plain, remat, strict=True)
+                if a["step_ms"] is not None
+            ] or [float("nan")]
             print(
                 json.dumps(
                     {
@@ -355,9 +406,10 @@ def compare(args: argparse.Namespace) -> None:
                         "saved_mib_range": [min(saved), max(saved)],
                         "step_time_ratio_median": statistics.median(ratio),
                         "step_time_ratio_range": [min(ratio), max(ratio)],
-                        "step_ms_without": statistics.median(
-                            r["step_ms"] for r in plain
-                        ),
+                        "step_ms_without": _median(plain, "step_ms"),
+                        "flops_ratio": _median(remat, "flops") / plain[0]["flops"]
+                        if plain[0].get("flops")
+                        else None,
                         "xla_temp_mib_without": _median_mib(plain, "xla_temp_bytes"),
                         "xla_temp_mib_with": _median_mib(remat, "xla_temp_bytes"),
                         "saved_device_mib_without": _median_mib(
@@ -374,6 +426,12 @@ def compare(args: argparse.Namespace) -> None:
                     }
                 )
             )
+
+
+def _median(runs: list[dict], key: str) -> float | None:
+    if runs[0].get(key) is None:
+        return None
+    return statistics.median(r[key] for r in runs)
 
 
 def _median_mib(runs: list[dict], key: str) -> float | None:
@@ -396,6 +454,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip-steps", type=int, default=2)
+    parser.add_argument(
+        "--topology",
+        help="plan fit's train step for this topology (kd.plan(topology=...), "
+        "e.g. v5e:1x1) instead of training; step_ms is then the projection",
+    )
     parser.add_argument("--compare", action="store_true")
     parser.add_argument("--policies", nargs="+", default=["dp"])
     parser.add_argument(
