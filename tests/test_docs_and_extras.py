@@ -17,6 +17,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.training.session import active_run
+from tests.doc_commands import documented_command
 
 # The same under every backend: run once (tests/conftest.py).
 pytestmark = pytest.mark.backend_neutral
@@ -145,7 +146,9 @@ def test_the_cpu_torch_command_brings_the_pinned_torch_from_pytorchs_cpu_index()
 # A shell line that runs the venv's programs by their bare names, as the docs
 # write them (`python examples/...`, `KERAS_BACKEND=jax keras-dist devices`).
 BARE_COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python|keras-dist|pytest) ", re.M)
-ACTIVATE = "source .venv/bin/activate"
+# Run by `test_activating_the_venv_gives_the_docs_commands` (the docs' registry:
+# tests/doc_commands.py).
+ACTIVATE = documented_command("source .venv/bin/activate")
 
 
 def _shell_blocks(path: pathlib.Path) -> list[str]:
