@@ -258,6 +258,11 @@ def test_every_shell_command_of_the_docs_runs_in_a_test_or_says_why_not():
     assert problems == [], "\n".join(problems)
     # And every command a test says it runs for the docs is in them.
     shown = {command for block in SHELL_BLOCKS for command in _commands(block)}
+    shown |= {
+        doc_commands.canonical(command)
+        for path in _documents()
+        for command in _inline_commands(path)
+    }
     stale = {
         command: where for command, where in registry.items() if command not in shown
     }
@@ -297,6 +302,91 @@ def test_a_new_shell_block_without_a_test_or_marker_fails_naming_the_fix(tmp_pat
         "docs/new.md:1: `<!-- unknown-command -->` says CI runs this block, but "
         ".ci/run does not run it"
     ]
+
+
+# An inline command that runs a script (`python examples/x.py`,
+# `keras-dist launch ... script.py`, `tests/run_suite.sh`): run by a test as
+# written, or named here with why it is not.
+INLINE_COMMAND = re.compile(
+    r"^(?:[A-Z_]+=\S+ )*(?:\.venv/bin/)?(?:python3?|keras-dist|torchrun|srun|pytest)"
+    r"\b.*\S\.(?:py|sh)\b|^tests/\S+\.sh\b"
+)
+INLINE_NOT_RUN = {
+    "keras-dist launch --nproc-per-node 2 train.py": "train.py is your script",
+    "keras-dist launch --nproc-per-node N script.py": "script.py is your script",
+    "torchrun ... train.py": "train.py is your script",
+    "srun python train.py": "needs SLURM",
+    "python -m pytest tests/test_package_rules.py": "a test file: the suite runs it",
+    "tests/run_suite.sh": "CI runs it: it is the README's test command",
+    "tests/run_all_backends.sh": "run by tests/run_suite.sh, which CI runs",
+    "tests/run_keras_nightly.sh": "run by tests/run_suite.sh, which CI runs",
+    "tests/run_torch_release.sh VERSION": "installs another torch release",
+    "tests/keras_own/run.sh": "runs Keras' own test suite, for minutes",
+    "python examples/ray_train.py --backend jax": "starts a local Ray cluster, too "
+    "slow for CI: tests/integrations/test_ray.py runs what it uses",
+    "KERAS_BACKEND=jax python examples/fine_tune_llm.py": "the record of a run on "
+    "a TPU chip; the page's CPU commands run in tests/test_fine_tune_recipe.py",
+    "KERAS_BACKEND=jax python benchmarks/compiled_plan_check.py": "a benchmark: "
+    "its figures and command are in benchmarks/README.md",
+    "KERAS_BACKEND=jax python benchmarks/out_of_memory_check.py": "a benchmark: "
+    "its figures and command are in benchmarks/README.md",
+}
+
+
+def _inline_commands(path: pathlib.Path) -> list[str]:
+    """The inline code spans of `path` (outside fenced blocks) that
+    `INLINE_COMMAND` takes for a command."""
+    text = path.read_text()
+    outside = re.sub(
+        r"^[ \t]*(`{3,}|~{3,}).*?^[ \t]*\1[ \t]*$", "", text, flags=re.M | re.S
+    )
+    spans = re.findall(r"(?<!`)`([^`]+)`(?!`)", outside)
+    return [
+        " ".join(span.split())
+        for span in spans
+        if INLINE_COMMAND.match(" ".join(span.split()))
+    ]
+
+
+def _inline_problems(path: pathlib.Path, registry: dict[str, str]) -> list[str]:
+    name = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+    return [
+        f"{name}: the command `{command}` is run by no test. Run "
+        "it word for word in a test, through tests/doc_commands.py "
+        f'(`run_documented("{command}", ...)`), or add it to INLINE_NOT_RUN in '
+        "tests/test_docs_code_blocks.py with why it cannot run in the tests"
+        for command in _inline_commands(path)
+        if doc_commands.canonical(command) not in registry
+        and command not in INLINE_NOT_RUN
+    ]
+
+
+@pytest.mark.backend_neutral
+def test_every_inline_command_of_the_docs_runs_in_a_test_or_says_why_not(tmp_path):
+    registry = doc_commands.registered_commands()
+    found = {command for path in _documents() for command in _inline_commands(path)}
+    assert "KERAS_BACKEND=jax python examples/fine_tune_llm.py" in found
+    problems = [
+        problem for path in _documents() for problem in _inline_problems(path, registry)
+    ]
+    assert problems == [], "\n".join(problems)
+    assert set(INLINE_NOT_RUN) <= found, "INLINE_NOT_RUN names commands no page shows"
+    assert all(INLINE_NOT_RUN.values())
+    page = tmp_path / "new.md"
+    page.write_text(
+        "Run `python examples/new.py --fast` and `keras-dist devices`.\n"
+        "```bash\npython examples/in_a_block.py\n```\n"
+    )
+    assert _inline_commands(page) == ["python examples/new.py --fast"]
+    assert _inline_problems(page, {}) == [
+        "new.md: the command `python examples/new.py --fast` is run by no test. "
+        "Run it word for word in a test, through tests/doc_commands.py "
+        '(`run_documented("python examples/new.py --fast", ...)`), or add it to '
+        "INLINE_NOT_RUN in tests/test_docs_code_blocks.py with why it cannot run "
+        "in the tests"
+    ]
+    registered = {doc_commands.canonical("python examples/new.py --fast"): "x"}
+    assert _inline_problems(page, registered) == []
 
 
 def _block_environment() -> dict[str, str]:

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tests.doc_commands import run_documented
+from tests.doc_commands import documented_command, run_documented
 
 pytestmark = pytest.mark.backend("jax")
 
@@ -25,6 +25,9 @@ def _succeeded(result) -> str:
 
 
 def test_the_quickstart_on_eight_simulated_devices(tmp_path: pathlib.Path):
+    # The same command as the venv's path (getting-started.md writes both):
+    # `run_documented` runs either as this interpreter.
+    documented_command(".venv/bin/python examples/quickstart.py")
     stdout = _succeeded(
         run_documented("python examples/quickstart.py", directory=tmp_path)
     )
