@@ -9,9 +9,13 @@ import os
 
 import pytest
 
+import keras_dist as kd
 from keras_dist import cluster
+from keras_dist.backends import get_adapter
 from keras_dist.cluster import CloudTpuEnvironment, detect_cluster
 from keras_dist.cluster.resolve import resolve_job
+from keras_dist.common import job
+from keras_dist.runtime import api as runtime
 
 # The same under every backend: run once (tests/conftest.py).
 pytestmark = pytest.mark.backend_neutral
@@ -154,3 +158,53 @@ def test_without_the_hosts_the_slice_is_left_to_jaxs_own_detection(monkeypatch):
     _set(monkeypatch, TPU_WORKER_ID="1", MEGASCALE_NUM_SLICES="2")
     assert detect_cluster() is None
     assert resolve_job().count == 1
+
+
+@pytest.fixture
+def worker_two(monkeypatch):
+    """Worker 2 of 4 whose script joined through the backend itself first
+    (`jax.distributed.initialize()`, as Keras' multi-host guide does): no
+    roll call (the backend's coordinator holds its port), no second join."""
+    _set(monkeypatch, TPU_WORKER_HOSTNAMES=HOSTS, TPU_WORKER_ID="2")
+    monkeypatch.setattr(job, "_joined", {})
+    monkeypatch.setattr(job, "_initialize_called", [])
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the job was joined already")
+
+    monkeypatch.setattr(runtime, "check_in_everyone", must_not_run)
+    monkeypatch.setattr(get_adapter(), "initialize", must_not_run)
+    monkeypatch.setattr(runtime.lifecycle, "install", lambda rank: None)
+    return monkeypatch
+
+
+def test_a_job_the_backend_joined_first_is_taken_as_it_is(worker_two):
+    worker_two.setattr(get_adapter(), "joined_on_its_own", lambda: (4, 2))
+    kd.initialize()
+    assert job.joined() == {
+        "coordinator": f"joined by {get_adapter().name}",
+        "count": 4,
+        "rank": 2,
+    }
+    assert job.initialize_called()
+
+
+def test_a_job_the_backend_joined_first_must_be_the_same_one(worker_two):
+    worker_two.setattr(get_adapter(), "joined_on_its_own", lambda: (4, 1))
+    with pytest.raises(ValueError) as error:
+        kd.initialize()
+    assert (
+        f"The {get_adapter().name} backend already joined a job as process 1 of 4 "
+        "(the script initialized it itself), but keras_dist found process 2 of 4"
+    ) in str(error.value)
+    assert job.joined() == {}
+
+
+@pytest.mark.backend("jax")
+def test_jax_says_whether_the_script_joined_through_it_first(monkeypatch):
+    import jax
+
+    adapter = get_adapter()
+    assert adapter.joined_on_its_own() is None  # this test process joined none
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    assert adapter.joined_on_its_own() == (jax.process_count(), jax.process_index())
