@@ -36,6 +36,8 @@ def main() -> None:
             str(pod_dir / "reference_checkpoints"),
             "--chips-per-host",
             "2",
+            "--epochs",
+            "1",
         ]
     )
     pod = example.build_model()
