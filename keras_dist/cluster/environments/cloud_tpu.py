@@ -42,9 +42,9 @@ class CloudTpuEnvironment(ClusterEnvironment):
 
     What JAX's own Cloud TPU detection reads on GKE
     (`jax._src.clusters.cloud_tpu_cluster`): the slice's hosts in worker
-    order, `TPU_PROCESS_ADDRESSES` else
-    `TPU_WORKER_HOSTNAMES` (comma-separated), and this host's index among
-    them, `TPU_WORKER_ID` (else `CLOUD_TPU_TASK_ID`). Several slices joined
+    order, `TPU_PROCESS_ADDRESSES` else `TPU_WORKER_HOSTNAMES`
+    (comma-separated), and this host's index among them, `TPU_WORKER_ID`
+    (else `CLOUD_TPU_TASK_ID`). Several slices joined
     by the data-center network (multislice) add `MEGASCALE_NUM_SLICES`,
     `MEGASCALE_SLICE_ID` and `MEGASCALE_COORDINATOR_ADDRESS`: the job has
     hosts x slices processes, a process' rank is its worker id plus its
