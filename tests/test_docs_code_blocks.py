@@ -330,6 +330,8 @@ INLINE_NOT_RUN = {
     "its figures and command are in benchmarks/README.md",
     "KERAS_BACKEND=jax python benchmarks/out_of_memory_check.py": "a benchmark: "
     "its figures and command are in benchmarks/README.md",
+    "TPU_SKIP_MDS_QUERY=1 KERAS_BACKEND=jax python plan_slice.py": "a block that "
+    "needs libtpu, saved as a file: how the output shown was made",
 }
 
 
