@@ -58,8 +58,13 @@ _JOB_VARIABLES = (
 
 def canonical(command: str) -> str:
     """`command` as a shell splits it, re-joined: the form commands compare in.
-    A line continuation (backslash, newline) joins the lines."""
-    return shlex.join(shlex.split(command.replace("\\\n", " "), comments=True))
+    A line continuation (backslash, newline) joins the lines; a line a shell
+    would not end there (an open quote) keeps its words as written."""
+    joined = command.replace("\\\n", " ")
+    try:
+        return shlex.join(shlex.split(joined, comments=True))
+    except ValueError:
+        return " ".join(joined.split())
 
 
 def documented_command(command: str) -> str:

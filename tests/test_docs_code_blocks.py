@@ -297,6 +297,9 @@ def test_a_new_shell_block_without_a_test_or_marker_fails_naming_the_fix(tmp_pat
     assert _shell_block_problems(python_marker, {}) == [
         "docs/new.md:11: `backends` is for Python blocks, not shell ones"
     ]
+    # Commands compare as a shell splits them; an open quote keeps the words.
+    assert doc_commands.canonical('a "b c" \\\n  d  # e') == "a 'b c' d"
+    assert doc_commands.canonical("echo 'open  quote") == "echo 'open quote"
     ci_block = dataclasses.replace(new, markers={"unknown-command": ""})
     assert _shell_block_problems(ci_block, {}) == [
         "docs/new.md:1: `<!-- unknown-command -->` says CI runs this block, but "
