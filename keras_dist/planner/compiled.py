@@ -12,9 +12,14 @@ Roofline, per device and step (figures from `common.accelerators`):
     memory        bytes accessed / HBM bandwidth
     interconnect  (2 x all-reduce + all-gather + reduce-scatter + all-to-all
                    + collective-permute bytes) / ICI bandwidth
-    network       with several slices: 2 x all-reduce bytes / the chip's
-                  share of the data-center network (the gradients' reduction
-                  crosses slices when the batch axis spans them)
+    network       with S slices: 2 (S - 1) / S x the cross-slice bytes (what
+                  each chip hands the data-center network, a ring all-reduce
+                  of it across the slices) / the chip's share of the
+                  data-center network. The batch axis spans the slices where
+                  the slice count divides it (the gradients' reduction
+                  crosses them once a step, as MaxText's
+                  `dcn_data_parallelism`); else another axis does, with a
+                  warning
     step_seconds  the longest of the four (they overlap at best)
     mfu           compute / step_seconds
 """
@@ -23,10 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import keras
+import numpy as np
 
 from keras_dist.backends import get_adapter
 from keras_dist.common import accelerators
@@ -42,6 +49,8 @@ from keras_dist.planner.result import CompiledPlan, CompiledStep, Plan
 from keras_dist.planner.topology import Topology, parse_topology
 
 STEP_KINDS = ("train", "test", "predict")
+#: `CompiledStep.collective_bytes`' key for what crosses slices.
+CROSS_SLICE = "cross-slice"
 
 
 class TopologyMesh:
@@ -85,14 +94,54 @@ class TopologyMesh:
                 f"topology {self.topology.name!r} has {len(self.devices)}. Give a "
                 "mesh whose sizes multiply to the topology's device count."
             )
-        array = get_adapter().topology_mesh_devices(
-            self.devices, tuple(sizes.values()), self.topology.num_slices
-        )
+        adapter = get_adapter()
+        shape = tuple(sizes.values())
+        slices = self.topology.num_slices
+        array = adapter.topology_mesh_devices(self.devices, shape, slices)
         made, _ = distribution_on_mesh(distribution, sizes, devices=array)
+        if slices == 1:
+            return made
+        names = list(sizes)
+        batch = getattr(made, "batch_dim_name", None)
+        spanning = slice_axes(made)
+        if batch in names and sizes[batch] % slices == 0 and spanning != [batch]:
+            # The batch axis spans the slices: the gradients' reduction
+            # crosses them once a step, not a model axis' every layer.
+            array = adapter.topology_mesh_devices(
+                self.devices, shape, slices, names.index(batch)
+            )
+            made, _ = distribution_on_mesh(distribution, sizes, devices=array)
+        elif batch in names and batch not in spanning:
+            warnings.warn(
+                f"With {slices} slices, the mesh axis {', '.join(spanning)!r} "
+                f"spans them: the batch axis {batch!r} (size {sizes[batch]}) is "
+                f"not a multiple of {slices}, so the collectives along "
+                f"{', '.join(spanning)!r} (a model axis' activations, each "
+                "layer) cross the data-center network. Give the batch axis a "
+                f"size that {slices} divides. Received: mesh={sizes}, "
+                f"num_slices={slices}",
+                UserWarning,
+                stacklevel=4,
+            )
         return made
 
     def memory(self) -> int | None:
         return accelerators.memory_bytes(self.device_kind)
+
+
+def slice_axes(distribution: Any) -> list[str]:
+    """The axes of `distribution`'s mesh along which its devices change
+    slice (the data-center network): `[]` on one slice."""
+    mesh = distribution.device_mesh
+    devices = np.asarray(mesh.devices, dtype=object)
+    slices = np.vectorize(lambda device: getattr(device, "slice_index", 0) or 0)(
+        devices
+    )
+    return [
+        name
+        for index, name in enumerate(mesh.axis_names)
+        if devices.shape[index] > 1 and np.any(np.diff(slices, axis=index) != 0)
+    ]
 
 
 def check_topology_arguments(topology: Any, num_slices: Any, mesh: Any) -> Topology:
@@ -287,6 +336,7 @@ def compiled_plan(
         steps,
         memory,
         notes,
+        ", ".join(slice_axes(made)) or None,
     )
 
 
@@ -299,7 +349,7 @@ def _projected(
     peak = kind.peak_16 if compute_dtype in ("bfloat16", "float16") else kind.peak_32
     moved = step.collective_bytes
     ici = 2 * moved.get("all-reduce", 0) + sum(
-        size for name, size in moved.items() if name != "all-reduce"
+        size for name, size in moved.items() if name not in ("all-reduce", CROSS_SLICE)
     )
     seconds: dict[str, float | None] = {
         "compute": step.flops / peak if peak else None,
@@ -316,8 +366,9 @@ def _projected(
         "network": 0.0,
     }
     if num_slices > 1:
+        ring = 2 * (num_slices - 1) / num_slices
         seconds["network"] = (
-            2 * moved.get("all-reduce", 0) / kind.network_bandwidth
+            ring * moved.get(CROSS_SLICE, 0) / kind.network_bandwidth
             if kind.network_bandwidth
             else None
         )

@@ -102,6 +102,8 @@ class CompiledPlan:
     step compiled. `memory` is one device's memory (the chip's HBM), None
     when unknown; `fits` whether the train step's peak is within it (None
     when either is unknown) and `margin_bytes` by how much (negative: short).
+    `slice_axis` is the mesh axis that spans the slices (its collectives
+    cross the data-center network), None on one slice.
     """
 
     topology: str
@@ -112,6 +114,7 @@ class CompiledPlan:
     steps: dict[str, CompiledStep]
     memory: int | None
     notes: list[str] = field(default_factory=list)
+    slice_axis: str | None = None
 
     @property
     def train(self) -> CompiledStep:
@@ -237,6 +240,7 @@ def _compiled_dict(compiled: CompiledPlan) -> dict[str, Any]:
         "device_kind": compiled.device_kind,
         "devices": compiled.devices,
         "num_slices": compiled.num_slices,
+        "slice_axis": compiled.slice_axis,
         "compute_dtype": compiled.compute_dtype,
         "memory": compiled.memory,
         "fits": compiled.fits,

@@ -133,6 +133,7 @@ def compiled_to_dict(compiled: CompiledPlan) -> dict[str, Any]:
         "device_kind": compiled.device_kind,
         "devices": compiled.devices,
         "num_slices": compiled.num_slices,
+        "slice_axis": compiled.slice_axis,
         "compute_dtype": compiled.compute_dtype,
         "steps": {kind: dict(step.__dict__) for kind, step in compiled.steps.items()},
         "notes": list(compiled.notes),
@@ -149,6 +150,7 @@ def compiled_from_dict(data: dict[str, Any], memory: int | None) -> CompiledPlan
         {kind: CompiledStep(**step) for kind, step in data["steps"].items()},
         memory,
         list(data["notes"]),
+        data.get("slice_axis"),
     )
 
 
