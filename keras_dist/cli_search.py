@@ -65,6 +65,7 @@ def run_search(
     """`keras-dist plan MODULE:FUNCTION --search`: 0 when a candidate fits
     (or the memory is unknown), 1 when none does or the search is refused."""
     from keras_dist.planner.search import plan_search  # noqa: PLC0415
+    from keras_dist.planner.search_result import render_table  # noqa: PLC0415
 
     chosen = [
         flag for name, flag in _CHOSEN_BY_THE_SEARCH.items() if getattr(arguments, name)
@@ -93,9 +94,21 @@ def run_search(
     if arguments.json:
         print(json.dumps(results.to_dict()))
     else:
-        print(results)
+        # The notes and what to try next, said as this command's flags.
+        print(render_table(results, said_as_flags))
     if results.best is None:
-        print("keras-dist plan --search: no candidate fits", file=sys.stderr)
+        nearest = results.nearest
+        print(
+            "keras-dist plan --search: no candidate fits"
+            + (
+                f"; the nearest, {nearest.description}, is "
+                f"{nearest.shortfall_bytes:,} bytes short per device (what "
+                "to try next is printed above)"
+                if nearest is not None and not arguments.json
+                else ""
+            ),
+            file=sys.stderr,
+        )
         return 1
     return 0
 
