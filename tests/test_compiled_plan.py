@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+from keras_dist.backends import get_adapter
 from keras_dist.common import accelerators
 from keras_dist.planner.topology import parse_topology
 
@@ -101,6 +102,45 @@ def test_unknown_topologies_are_refused_with_what_is_known(name, words):
     with pytest.raises(ValueError, match="topology") as raised:
         parse_topology(name)
     assert words in str(raised.value)
+
+
+@pytest.mark.backend_neutral
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        (
+            "v5e:3x3",
+            "The v5e slices: 1x1, 2x2, 2x4 (one host), 4x4, 4x8, 8x8, 8x16, 16x16 "
+            "(several hosts); by Cloud's names v5e-N, N the chips: 1, 4, 8, 16",
+        ),
+        ("v6e:1x3", "The v6e slices: 1x1, 2x2, 2x4 (one host)"),
+        (
+            "v5p:3x2x2",
+            "The v5p slices: 2x2x1 (one host), 2x2x2, 2x2x4, 2x4x4, 4x4x4, "
+            "4x4x8, 4x8x8, 8x8x8, 8x8x16, 8x16x16, 16x16x16 (several hosts); by "
+            "Cloud's names v5p-N, N the TensorCores, two a chip: 8, 16",
+        ),
+    ],
+)
+def test_a_grid_libtpu_cannot_lay_out_says_which_slices_exist(name, words):
+    """Checked against libtpu 0.0.42: a grid size above 1 along either of the
+    first two axes must be even (2x2 chips a host); 3x3 is refused."""
+    with pytest.raises(ValueError, match="first two sizes is 1 or even") as raised:
+        parse_topology(name)
+    assert words in str(raised.value)
+    assert f"Received: topology={name!r}" in str(raised.value)
+    parse_topology(name.replace("3", "2"))  # the same grid, evened: accepted
+
+
+@jax_only
+def test_a_topology_libtpu_refuses_is_said_with_the_slices_that_exist(monkeypatch):
+    def refuse(self, platform, name, count, num_slices):
+        raise ValueError(f"libtpu refused the topology {name!r}: not divisible")
+
+    monkeypatch.setattr(type(get_adapter()), "topology_devices", refuse)
+    with pytest.raises(ValueError, match="libtpu refused") as raised:
+        kd.plan(mlp(), kd.DataParallel, topology="v5e:2x2", batch_size=8)
+    assert "The v5e slices: 1x1, 2x2, 2x4 (one host)" in str(raised.value)
 
 
 @pytest.mark.backend_neutral

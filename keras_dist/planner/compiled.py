@@ -46,7 +46,7 @@ from keras_dist.keras_compat.distribution import KerasDistribution
 from keras_dist.planner.model import input_specs, input_structure, made_model
 from keras_dist.planner.paper_mesh import check_mesh, distribution_on_mesh
 from keras_dist.planner.result import CompiledPlan, CompiledStep, Plan
-from keras_dist.planner.topology import Topology, parse_topology
+from keras_dist.planner.topology import Topology, known_slices, parse_topology
 
 STEP_KINDS = ("train", "test", "predict")
 #: `CompiledStep.collective_bytes`' key for what crosses slices.
@@ -59,12 +59,18 @@ class TopologyMesh:
     def __init__(self, topology: Topology):
         self.topology = topology
         adapter = get_adapter()
-        self.devices = adapter.topology_devices(
-            topology.platform,
-            topology.libtpu_name,
-            topology.chips,
-            topology.num_slices,
-        )
+        try:
+            self.devices = adapter.topology_devices(
+                topology.platform,
+                topology.libtpu_name,
+                topology.chips,
+                topology.num_slices,
+            )
+        except ValueError as error:
+            if topology.platform != "tpu":
+                raise
+            generation = topology.libtpu_name.partition(":")[0]
+            raise ValueError(f"{error} {known_slices(generation)}") from error
         first = self.devices[0]
         self.device_kind = (
             "cpu" if first.platform == "cpu" else str(getattr(first, "device_kind", ""))
