@@ -19,7 +19,9 @@ import pytest
 import keras_dist as kd
 from keras_dist.backends import get_adapter
 from keras_dist.common import accelerators
+from keras_dist.planner.compiled import UntrainableModelError
 from keras_dist.planner.topology import parse_topology
+from tests.workers import plan_models
 
 BACKEND = keras.backend.backend()
 jax_only = pytest.mark.backend("jax")
@@ -163,8 +165,27 @@ def test_a_mesh_of_another_size_is_refused_before_compiling():
 
 @jax_only
 def test_an_uncompiled_model_is_refused_before_compiling():
-    with pytest.raises(ValueError, match=r"needs a compiled model.*model.compile"):
+    with pytest.raises(UntrainableModelError) as raised:
         kd.plan(mlp(compile_it=False), kd.DataParallel, topology="cpu:8", batch_size=8)
+    # The library speaks Python (the command says it as flags: test_cli.py).
+    message = str(raised.value)
+    assert "call model.compile(optimizer=..., loss=...) in the model function" in (
+        message
+    )
+    assert "steps=('predict',)" in message and "--" not in message
+    assert raised.value.missing == "compile"
+    assert raised.value.steps == ["train", "test"]
+    with pytest.raises(
+        UntrainableModelError, match=r"Give model.compile\(loss="
+    ) as raised:
+        kd.plan(
+            plan_models.mlp_without_loss,
+            kd.DataParallel,
+            topology="cpu:8",
+            batch_size=8,
+            steps=("train",),
+        )
+    assert raised.value.missing == "loss"
     # Prediction alone needs no loss.
     result = kd.plan(
         mlp(compile_it=False),

@@ -178,27 +178,53 @@ def abstract_model(model: Any, input_shape: Any) -> Any:
         return made_model(model, input_shape)
 
 
+class UntrainableModelError(ValueError):
+    """The train or test step is to be compiled, and the model is not
+    compiled (`missing="compile"`) or has no loss (`missing="loss"`).
+
+    The message speaks Python; the command (`keras-dist plan`) says it in
+    its own words from the attributes.
+
+    Attributes:
+        model_name: the model's name.
+        steps: the steps that need the loss and optimizer (`"train"`, `"test"`).
+        missing: `"compile"` or `"loss"`.
+    """
+
+    def __init__(self, model: Any, steps: list[str], missing: str):
+        self.model_name = model.name
+        self.steps = steps
+        self.missing = missing
+        needs = " and ".join(steps)
+        if missing == "compile":
+            message = (
+                f"The compiled plan of the {needs} step needs a compiled model "
+                "(its loss and optimizer are part of the step): call "
+                "model.compile(optimizer=..., loss=...) in the model function, "
+                "or plan only prediction with steps=('predict',). Received: "
+                f"model {model.name!r}, not compiled."
+            )
+        else:
+            message = (
+                f"The compiled plan of the {needs} step needs a loss: model "
+                f"{model.name!r} was compiled without one. Give "
+                "model.compile(loss=...)."
+            )
+        super().__init__(message)
+
+
 def check_trainable(model: Any, kinds: tuple[str, ...]) -> None:
-    """Refuse, before compiling, a model whose train or test step cannot run."""
+    """Refuse, before compiling, a model whose train or test step cannot run
+    (`UntrainableModelError`)."""
     needs_loss = [kind for kind in kinds if kind in ("train", "test")]
     if not needs_loss:
         return
     if getattr(model, "optimizer", None) is None or not getattr(
         model, "compiled", False
     ):
-        raise ValueError(
-            f"The compiled plan of the {' and '.join(needs_loss)} step needs a "
-            "compiled model (its loss and optimizer are part of the step): call "
-            "model.compile(optimizer=..., loss=...) in the model function, or "
-            "plan only prediction with steps=('predict',). Received: model "
-            f"{model.name!r}, not compiled."
-        )
+        raise UntrainableModelError(model, needs_loss, "compile")
     if getattr(model, "loss", None) is None and not _overrides_loss(model):
-        raise ValueError(
-            f"The compiled plan of the {' and '.join(needs_loss)} step needs a "
-            f"loss: model {model.name!r} was compiled without one. Give "
-            "model.compile(loss=...)."
-        )
+        raise UntrainableModelError(model, needs_loss, "loss")
 
 
 def _overrides_loss(model: Any) -> bool:
@@ -457,6 +483,7 @@ def plan_on_topology(
 __all__ = [
     "STEP_KINDS",
     "TopologyMesh",
+    "UntrainableModelError",
     "abstract_model",
     "check_topology_arguments",
     "check_trainable",
