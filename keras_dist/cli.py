@@ -393,6 +393,8 @@ def _plan(arguments: argparse.Namespace) -> int:
         return 1
     # What the plan says to pass, said as this command's flags.
     result.notes = [as_flags(note, PLAN_FLAGS) for note in result.notes]
+    for note_list in [result.compiled.notes] if result.compiled else []:
+        note_list[:] = [as_flags(note, PLAN_FLAGS) for note in note_list]
     if arguments.json:
         print(json.dumps(result.to_dict()))
     else:

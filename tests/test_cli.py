@@ -175,6 +175,11 @@ def test_plan_with_a_topology_runs_on_jax_whatever_keras_json_says(tmp_path):
         report = json.loads(done.stdout.strip().splitlines()[-1])
         first = report["results"][0] if "--search" in extra else report
         assert first["compiled"]["devices"] == 1  # compiled by XLA, on JAX
+        if "--search" not in extra:  # the compiled plan's notes say flags too
+            assert any(
+                "pass --device-memory to know whether it fits" in note
+                for note in report["compiled"]["notes"]
+            )
     refused = subprocess.run(
         command,
         capture_output=True,
