@@ -32,7 +32,9 @@ from keras_dist._version import __version__
 from keras_dist.keras_compat.layers import layers_of
 from keras_dist.planner.result import CompiledPlan, CompiledStep, Problem
 
-FORMAT = 1
+# 2: collectives count what crosses slices ("cross-slice"), and the network
+# term is theirs; entries of 1 are compiled again.
+FORMAT = 2
 _SUFFIX = re.compile(r"_\d+$")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _NAME_KEYS = ("name",)
