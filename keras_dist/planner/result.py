@@ -68,7 +68,8 @@ class CompiledStep:
     less the buffers the outputs alias (the donated state). `flops` and
     `bytes_accessed` are XLA's cost analysis of one step. `collective_bytes`
     is read from the compiled program: per kind, the bytes of the buffers its
-    collectives work on (`collective_counts`: how many). `seconds` is the
+    collectives work on (`collective_counts`: how many); `"cross-slice"` is
+    what each device hands the data-center network (several slices). `seconds` is the
     roofline's time for each of `"compute"`, `"memory"`, `"interconnect"` and
     `"network"` (None where the chip's figure is unknown); `step_seconds` the
     longest. `error` is XLA's words when it refused to compile the step (out
