@@ -47,6 +47,7 @@ RUN_FIRST = (
     "test_checkpoint_jobs.py",
     "test_multiprocess_tf.py",
     "test_multiprocess_jax.py",
+    "test_tpu_pod.py",
     "test_layouts.py",
     "test_example_resume.py",
     "test_keras_versions.py",

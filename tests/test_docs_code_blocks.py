@@ -165,8 +165,22 @@ def test_docs_have_python_blocks_and_every_marker_is_well_formed():
                 f"{block.name}: `run-with` file docs/{markers['run-with']} "
                 "does not exist"
             )
-    # Every marker in the docs belongs to the Python block right after it.
-    attached = sum(len(block.markers) for block in PYTHON_BLOCKS)
+    # Every marker in the docs belongs to the Python block right after it, or
+    # is a shell block's `not-run` (commands that need a cloud, with the reason).
+    shell_markers = [
+        block.markers
+        for path in _documents()
+        for block in _blocks(path)
+        if block.language in ("bash", "sh", "shell", "console") and block.markers
+    ]
+    problems += [
+        f"shell block marker {markers}: only `not-run: <reason>`"
+        for markers in shell_markers
+        if set(markers) != {"not-run"} or not markers["not-run"]
+    ]
+    attached = sum(len(block.markers) for block in PYTHON_BLOCKS) + sum(
+        map(len, shell_markers)
+    )
     written = sum(
         1
         for path in _documents()

@@ -161,7 +161,7 @@ class Checkpoint(keras.callbacks.Callback):
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be True or False. Received: {value!r}")
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = store.local_directory(directory, "kd.Checkpoint")
         # Found now, not after a whole epoch at the first save; whether it is
         # writable is tried when `fit` starts (each process creates nothing
         # before).
