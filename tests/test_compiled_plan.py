@@ -492,6 +492,16 @@ def test_collectives_count_megascale_sends_and_groups_wider_than_a_slice():
     assert moved["all-reduce"] == (64 + 32) * 4
     moved, counts = collectives(hlo)
     assert moved["cross-slice"] == 256 * 4 and counts["cross-slice"] == 1
+    # Across 4 slices a ring sends 2 x 3/4 of an all-reduce's buffer, and
+    # its shard to each of the 3 other slices for an all-gather.
+    gather = (
+        "%send.1 = (f32[64]{0}, u32[], token[]) send(%g, %t), channel_id=5, "
+        '_xla_host_transfer_rendezvous="all-gather.2_0",'
+        '_xla_megascale_transfer_type="ALL_GATHER"'
+    )
+    moved, counts = collectives(hlo + "\n" + gather, num_slices=4)
+    assert moved["cross-slice"] == 1.5 * 256 * 4 + 3 * 64 * 4
+    assert counts["cross-slice"] == 2
 
 
 @jax_only

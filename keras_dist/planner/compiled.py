@@ -12,9 +12,9 @@ Roofline, per device and step (figures from `common.accelerators`):
     memory        bytes accessed / HBM bandwidth
     interconnect  (2 x all-reduce + all-gather + reduce-scatter + all-to-all
                    + collective-permute bytes) / ICI bandwidth
-    network       with S slices: 2 (S - 1) / S x the cross-slice bytes (what
-                  each chip hands the data-center network, a ring all-reduce
-                  of it across the slices) / the chip's share of the
+    network       with several slices: the cross-slice bytes (what each chip
+                  sends over the data-center network: a ring's count of each
+                  transfer XLA hands it) / the chip's share of the
                   data-center network. The batch axis spans the slices where
                   the slice count divides it (the gradients' reduction
                   crosses them once a step, as MaxText's
@@ -398,9 +398,8 @@ def _projected(
         "network": 0.0,
     }
     if num_slices > 1:
-        ring = 2 * (num_slices - 1) / num_slices
         seconds["network"] = (
-            ring * moved.get(CROSS_SLICE, 0) / kind.network_bandwidth
+            moved.get(CROSS_SLICE, 0) / kind.network_bandwidth
             if kind.network_bandwidth
             else None
         )

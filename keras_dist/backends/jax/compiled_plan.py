@@ -71,6 +71,7 @@ _CHANNEL = re.compile(r"channel_id=(\d+)")
 CROSS_SLICE = "cross-slice"
 _MEGASCALE_SEND = re.compile(r"=\s*(?P<type>\(.+?\))\s+send\(")
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]*)"')
+_TRANSFER = re.compile(r'_xla_megascale_transfer_type="([A-Z_]*)"')
 # The chips of one TPU host along each axis of a slice, as libtpu assumes.
 _HOST_CHIPS = (2, 2, 1)
 
@@ -289,7 +290,7 @@ def compile_step(model: Any, kind: str, state: tuple, batch: Any) -> dict[str, A
         cost = cost[0] if cost else {}
     cost = cost or {}
     slices = len(set(mesh_slices(devices).values()))
-    moved, counts = collectives(compiled.as_text(), len(devices) // slices)
+    moved, counts = collectives(compiled.as_text(), len(devices) // slices, slices)
     return {
         "kind": kind,
         "compile_seconds": seconds,
@@ -326,7 +327,7 @@ def _array_bytes(type_text: str) -> list[int]:
 
 
 def collectives(
-    hlo_text: str, slice_devices: int | None = None
+    hlo_text: str, slice_devices: int | None = None, num_slices: int = 1
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes per device each kind of collective works on in one run of the
     compiled program `hlo_text`, and how many of each there are.
@@ -337,10 +338,13 @@ def collectives(
     placed in several computations (an asynchronous start and its
     continuation) carries one channel id and is counted once.
 
-    `CROSS_SLICE` ("cross-slice") counts what crosses slices: the buffer of
-    each megascale `send` (one per transfer: its `recv` brings the same
-    bytes back), and a collective whose groups hold more than the
-    `slice_devices` devices of one slice (counted in its own kind too).
+    `CROSS_SLICE` ("cross-slice") counts the bytes each device sends across
+    the `num_slices` slices: for each megascale transfer (a `send` and its
+    `recv`) a ring's count of its buffer b, 2 (S - 1) / S x b for an
+    all-reduce, (S - 1) x b for an all-gather (b: the shard sent; its
+    `recv` brings S of them), (S - 1) / S x b otherwise; and the buffer of a
+    collective whose groups hold more than the `slice_devices` devices of
+    one slice (counted in its own kind too).
 
     >>> moved, counts = collectives(
     ...     '%s = (f32[1024]{0}, u32[], token[]) send(%x, %t), channel_id=2, '
@@ -352,7 +356,7 @@ def collectives(
     """
     seen: dict[tuple[str, str], int] = {}
     for line in hlo_text.splitlines():
-        sent = _megascale_send(line)
+        sent = _megascale_send(line, num_slices)
         if sent is not None:
             key = (CROSS_SLICE, sent[0])
             seen[key] = max(seen.get(key, 0), sent[1])
@@ -387,9 +391,9 @@ def collectives(
     return moved_by_kind, groups
 
 
-def _megascale_send(line: str) -> tuple[str, int] | None:
-    """`(transfer name, bytes)` of a `send` that crosses slices (XLA's
-    megascale transfer), or None."""
+def _megascale_send(line: str, num_slices: int) -> tuple[str, int] | None:
+    """`(transfer name, bytes this device sends)` of a `send` that crosses
+    slices (XLA's megascale transfer), or None."""
     if "_xla_megascale_transfer_type" not in line:
         return None
     match = _MEGASCALE_SEND.search(line)
@@ -398,10 +402,20 @@ def _megascale_send(line: str) -> tuple[str, int] | None:
     sizes = _array_bytes(match.group("type"))
     if not sizes:
         return None
+    payload = sizes[0]  # then the send's u32 context and a token
     rendezvous = _RENDEZVOUS.search(line)
     channel = _CHANNEL.search(line)
     name = rendezvous.group(1) if rendezvous else channel.group(1) if channel else line
-    return name, sizes[0]  # the payload; then the send's u32 context, a token
+    transfer = _TRANSFER.search(line)
+    kind = transfer.group(1) if transfer else ""
+    slices = max(num_slices, 2)
+    if kind == "ALL_REDUCE":
+        share = 2 * (slices - 1) / slices
+    elif kind == "ALL_GATHER":
+        share = slices - 1
+    else:
+        share = (slices - 1) / slices
+    return name, int(payload * share)
 
 
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
