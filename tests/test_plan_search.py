@@ -19,7 +19,7 @@ import pytest
 import keras_dist as kd
 from keras_dist import cli, cli_search
 from keras_dist.backends import get_adapter
-from keras_dist.planner import Candidate
+from keras_dist.planner import Candidate, search_cache
 from keras_dist.planner.candidates import default_candidates, model_axis_sizes
 from keras_dist.planner.result import CompiledPlan, CompiledStep
 from keras_dist.planner.search_result import (
@@ -359,7 +359,7 @@ def test_an_unreadable_cache_entry_is_compiled_again(tmp_path):
         tiny, topology="cpu:8", batch_size=64, cache_dir=tmp_path, candidates=[FSDP]
     )
     assert again[0].status == "compiled"
-    assert json.loads(entry.read_text())["format"] == 1
+    assert json.loads(entry.read_text())["format"] == search_cache.FORMAT
 
 
 # -- the distribution, in a real fit ------------------------------------------------
