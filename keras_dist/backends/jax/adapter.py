@@ -434,13 +434,15 @@ class JaxAdapter(BackendAdapter):
         previous = keras.distribution.distribution()
         keras.distribution.set_distribution(distribution)
         self._install_steps(model, distribution)
+        placement = getattr(distribution, "state_placement", None)
         try:
             steps = {}
             for kind in kinds:
                 batch = compiled_plan.batch_structs(
                     distribution, data[:1] if kind == "predict" else data
                 )
-                steps[kind] = compiled_plan.compile_step(model, kind, state, batch)
+                with offload.stored_dtypes(model, placement):
+                    steps[kind] = compiled_plan.compile_step(model, kind, state, batch)
             return steps
         finally:
             self._undo_activation(model)

@@ -23,7 +23,8 @@ Keras keeps its result only on the update step).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -73,6 +74,32 @@ def check_built_slots(optimizer: Any, variables: list, placement: Any) -> None:
                     "before calling it under this distribution. Received: "
                     f"optimizer_state_dtype={placement.optimizer_state_dtype!r}"
                 )
+
+
+@contextlib.contextmanager
+def stored_dtypes(model: Any, placement: Any) -> Iterator[None]:
+    """While the block runs, the state slots of `model`'s optimizer have the
+    dtype `placement` stores them in: a step compiled on abstract values
+    (the plan's) for an optimizer built in its variables' dtype."""
+    optimizer = getattr(model, "optimizer", None)
+    if (
+        placement is None
+        or placement.optimizer_state_dtype is None
+        or not (optimizer is not None and optimizer.built)
+    ):
+        yield
+        return
+    variables = model.trainable_variables
+    slots = keras_optimizers.state_slots(optimizer, variables)
+    with contextlib.ExitStack() as stack:
+        for variable in variables:
+            stack.enter_context(
+                keras_optimizers.read_and_assigned_as(
+                    slots.get(id(variable), []),
+                    placement.slot_dtype(variable.dtype),
+                )
+            )
+        yield
 
 
 def install(optimizer: Any, placement: Any) -> Callable[[], None]:
@@ -136,13 +163,13 @@ class _Update:
         self.optimizer, self.placement = optimizer, placement
         self.grad, self.variable, self.slots = grad, variable, slots
         self.learning_rate = learning_rate
-        self.narrow = {
-            id(slot)
-            for slot in slots
-            if placement.optimizer_state_dtype is not None
-            and slot.dtype != "float32"
-            and "float" in slot.dtype
-        }
+        # Each slot's stored dtype, and those updated in float32 (`narrow`).
+        self.stored = {id(slot): placement.slot_dtype(variable.dtype) for slot in slots}
+        self.narrow = set()
+        if placement.optimizer_state_dtype is not None:
+            self.narrow = {
+                key for key, dtype in self.stored.items() if dtype != "float32"
+            }
 
     def _narrow_slots(self) -> list:
         return [slot for slot in self.slots if id(slot) in self.narrow]
@@ -163,7 +190,7 @@ class _Update:
         new_value = scope.get_current_value(self.variable)
         new_slots = []
         for slot in self.slots:
-            slot_value = ops.cast(scope.get_current_value(slot), slot.dtype)
+            slot_value = ops.cast(scope.get_current_value(slot), self.stored[id(slot)])
             if self.placement.offloads_slots:
                 slot_value = jax.device_put(slot_value, jax.memory.Space.Host)
             new_slots.append(slot_value)
@@ -199,7 +226,7 @@ class _Update:
         with keras_optimizers.read_and_assigned_as(self._narrow_slots(), "float32"):
             self.optimizer.update_step(self.grad, self.variable, self.learning_rate)
         for slot in self.slots:
-            value = ops.cast(scope.get_current_value(slot), slot.dtype)
+            value = ops.cast(scope.get_current_value(slot), self.stored[id(slot)])
             if self.placement.offloads_slots:
                 value = jax.device_put(value, jax.memory.Space.Host)
             scope.add_update((slot, value))
