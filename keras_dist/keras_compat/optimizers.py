@@ -82,20 +82,23 @@ def each_new_slot(
     original = optimizer.add_variable_from_reference
     add_variable = optimizer.add_variable
 
-    def add_variable_from_reference(reference: Any, *args: Any, **kwargs: Any) -> Any:
-        name = kwargs.get("name", args[0] if args else None)
+    def add_variable_from_reference(*args: Any, **kwargs: Any) -> Any:
+        # As Keras calls it: (reference_variable, name=None, initializer=...),
+        # by position or keyword (Adafactor names `reference_variable=`).
+        reference = args[0] if args else kwargs["reference_variable"]
+        name = kwargs.get("name", args[1] if len(args) > 1 else None)
         dtype = None
         if state_dtype is not None and name not in BOOKKEEPING_SLOTS:
             dtype = state_dtype(reference)
         if dtype is None:
-            slot = original(reference, *args, **kwargs)
+            slot = original(*args, **kwargs)
         else:
 
             def in_dtype(*inner: Any, **options: Any) -> Any:
                 return add_variable(*inner, **{**options, "dtype": dtype})
 
             with _on_instance(optimizer, "add_variable", in_dtype):
-                slot = original(reference, *args, **kwargs)
+                slot = original(*args, **kwargs)
         made(reference, slot)
         return slot
 
