@@ -16,7 +16,7 @@ jax_only = pytest.mark.backend("jax")
 STATE = ("momentum", "velocity")
 
 
-def _data(rows: int = 64) -> tuple[np.ndarray, np.ndarray]:
+def _data(rows: int = 32) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows, 16)).astype("float32")
     return x, rng.normal(size=(rows, 4)).astype("float32")
@@ -62,7 +62,7 @@ class _MemoryKinds(keras.callbacks.Callback):
         }
 
 
-def _fit(model: keras.Model, distribution: object, epochs: int = 2, **kw) -> list:
+def _fit(model: keras.Model, distribution: object, epochs: int = 1, **kw) -> list:
     x, y = _data()
     model.fit(
         x,
@@ -159,9 +159,9 @@ def test_gradient_accumulation_offloaded_equals_it_on_the_devices(kind):
     def optimizer():
         return keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
 
-    expected = _fit(_model(optimizer()), _distribution(kind))
+    expected = _fit(_model(optimizer()), _distribution(kind), epochs=2)
     model = _model(optimizer())
-    weights = _fit(model, _distribution(kind, offload="optimizer"))
+    weights = _fit(model, _distribution(kind, offload="optimizer"), epochs=2)
     for got, want in zip(weights, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     accumulators = [v for v in model.optimizer.variables if "accumulator" in v.name]
@@ -269,7 +269,7 @@ def test_a_checkpoint_of_offloaded_state_saves_and_restores_it(tmp_path):
     for name in ("plain", "offloaded"):
         model = _model(keras.optimizers.Adam(0.01))
         model.optimizer.build(model.trainable_variables)
-        assert kd.restore(model, str(tmp_path / name)) == 4
+        assert kd.restore(model, str(tmp_path / name)) == 2
         restored.append([np.asarray(v) for v in model.optimizer.variables])
     for a, b in zip(*restored, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -292,11 +292,11 @@ BF16_TOLERANCE = 1e-2
 @jax_only
 @pytest.mark.parametrize("offload", [None, "optimizer"])
 def test_bfloat16_state_trains_close_to_float32_state(offload, tmp_path):
-    expected = _fit(_model(keras.optimizers.Adam(0.01)), kd.DataParallel())
+    expected = _fit(_model(keras.optimizers.Adam(0.01)), kd.DataParallel(), epochs=2)
     model = _model(keras.optimizers.Adam(0.01))
     distribution = kd.DataParallel(offload=offload, optimizer_state_dtype="bfloat16")
     checkpoint = kd.Checkpoint(tmp_path, save_freq="epoch", save_on_background=False)
-    weights = _fit(model, distribution, callbacks=[checkpoint])
+    weights = _fit(model, distribution, epochs=2, callbacks=[checkpoint])
     assert {v.dtype for v in _state_slots(model)} == {"bfloat16"}
     assert {str(v.value.dtype) for v in _state_slots(model)} == {"bfloat16"}
     for got, want in zip(weights, expected, strict=True):
@@ -313,3 +313,36 @@ def test_bfloat16_state_trains_close_to_float32_state(offload, tmp_path):
         np.testing.assert_allclose(
             np.asarray(a, "float32"), np.asarray(b, "float32"), rtol=0, atol=1e-6
         )
+
+
+@jax_only
+def test_an_optimizer_built_in_float32_is_refused_for_bfloat16_state():
+    model = _model(keras.optimizers.Adam(0.01))
+    _fit(model, kd.DataParallel())
+    distribution = kd.DataParallel(optimizer_state_dtype="bfloat16")
+    with pytest.raises(ValueError, match="Compile the model again"):
+        _fit(model, distribution)
+
+
+@pytest.mark.backend("jax")
+def test_the_static_plan_says_which_slots_live_in_host_memory_and_their_dtype():
+    model = _model(keras.optimizers.Adam(0.01))
+    plain = kd.plan(model, kd.FSDP(min_size=16))
+    placed = kd.plan(
+        model,
+        kd.FSDP(min_size=16, offload="optimizer", optimizer_state_dtype="bfloat16"),
+    )
+    rows = {row.path: row for row in placed.rows if row.role == "optimizer"}
+    moments = [row for path, row in rows.items() if path.endswith(STATE)]
+    assert moments and {(r.memory, r.dtype) for r in moments} == {
+        ("pinned_host", "bfloat16")
+    }
+    assert rows["adam/iteration"].memory == "device"
+    before, after = plain.devices[0], placed.devices[0]
+    # The moments leave the device, at half their float32 size, for the host.
+    assert after.host_optimizer_slots == sum(r.bytes_per_device for r in moments)
+    assert after.host_optimizer_slots * 2 + after.optimizer_slots == pytest.approx(
+        before.optimizer_slots, abs=16
+    )
+    assert after.total == before.total - before.optimizer_slots + after.optimizer_slots
+    assert "slots in host memory" in str(placed)

@@ -53,9 +53,11 @@ BOOKKEEPING_SLOTS = ("gradient_accumulator", "average")
 
 
 def is_state_slot(slot: Any) -> bool:
-    """Whether an optimizer slot is state its `update_step` keeps (Adam's
-    moments, SGD's momentum), not a gradient accumulator or an EMA average."""
-    return not str(slot.name).endswith(tuple(f"_{n}" for n in BOOKKEEPING_SLOTS))
+    """Whether an optimizer slot (or its name or path) is state its
+    `update_step` keeps (Adam's moments, SGD's momentum), not a gradient
+    accumulator or an EMA average."""
+    name = slot if isinstance(slot, str) else slot.name
+    return not str(name).endswith(tuple(f"_{n}" for n in BOOKKEEPING_SLOTS))
 
 
 def state_slots(optimizer: Any, model_variables: list[Any]) -> dict[int, list[Any]]:
