@@ -64,10 +64,10 @@ def _stack(layers: int, width: int, optimizer: Any = "adam") -> keras.Model:
 def _timed_fit(model: keras.Model, distribution: Any, x: Any, y: Any, batch: int):
     """Seconds a step of `fit` over x (after a first `fit` that compiles)."""
     callbacks = [kd.DistributeCallback(distribution)]
-    model.fit(x[: 2 * batch], y[: 2 * batch], batch_size=batch, verbose=0,
-              callbacks=callbacks)  # fmt: skip
+    options = {"batch_size": batch, "shuffle": False, "verbose": 0}
+    model.fit(x[: 2 * batch], y[: 2 * batch], callbacks=callbacks, **options)
     start = time.perf_counter()
-    model.fit(x, y, batch_size=batch, verbose=0, callbacks=callbacks)
+    model.fit(x, y, callbacks=callbacks, **options)
     float(np.asarray(model.weights[0]).ravel()[0])  # waits for the last step
     return (time.perf_counter() - start) / (len(x) // batch)
 
