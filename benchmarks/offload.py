@@ -112,7 +112,10 @@ PLACEMENTS = {
 }
 
 
-def _compiled_peaks(make_model: Any, topology: str, batch: int) -> dict[str, Any]:
+def _compiled_peaks(
+    make_model: Any, topology: str, batch: int, unit: str = "gib"
+) -> dict[str, Any]:
+    scale, digits = (GIB, 3) if unit == "gib" else (2**20, 2)
     out = {}
     for name, placement in PLACEMENTS.items():
         plan = kd.plan(
@@ -127,9 +130,9 @@ def _compiled_peaks(make_model: Any, topology: str, batch: int) -> dict[str, Any
             out[name] = {"error": step.error[:300]}
             continue
         out[name] = {
-            "peak_gib": round(step.peak_bytes / GIB, 3),
-            "arguments_gib": round(step.argument_bytes / GIB, 3),
-            "temporaries_gib": round(step.temp_bytes / GIB, 3),
+            f"peak_{unit}": round(step.peak_bytes / scale, digits),
+            f"arguments_{unit}": round(step.argument_bytes / scale, digits),
+            f"temporaries_{unit}": round(step.temp_bytes / scale, digits),
         }
     return out
 
@@ -237,7 +240,7 @@ def digits_mode(args: argparse.Namespace) -> dict[str, Any]:
             "test_accuracy": round(float(accuracy), 4),
         }
     try:
-        out["compiled"] = _compiled_peaks(model, args.topology, 32)
+        out["compiled"] = _compiled_peaks(model, args.topology, 32, unit="mib")
     except (RuntimeError, ValueError) as error:  # no libtpu here
         out["compiled"] = {"error": str(error)[:200]}
     return out
