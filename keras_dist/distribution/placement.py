@@ -27,6 +27,8 @@ from typing import Any
 
 import keras
 
+from keras_dist.backends import get_adapter
+
 OFFLOAD_MODES = (None, "optimizer")
 #: Offloading the weights as well is named but refused (not implemented).
 REFUSED_OFFLOAD_MODES = ("optimizer+params",)
@@ -92,18 +94,16 @@ class StatePlacement:
         return self.optimizer_state_dtype
 
 
-def state_placement(
-    offload: Any, optimizer_state_dtype: Any, problem: Any
-) -> StatePlacement | None:
+def state_placement(offload: Any, optimizer_state_dtype: Any) -> StatePlacement | None:
     """The checked placement of `offload=` and `optimizer_state_dtype=`, or
-    None for the defaults. `problem(placement)` is the backend's reason it
-    cannot do it (None when it can), raised as `NotImplementedError`."""
+    None for the defaults. The backend's reason it cannot do it
+    (`state_placement_problem`) is raised as `NotImplementedError`."""
     placement = StatePlacement(
         _check_offload(offload), _check_state_dtype(optimizer_state_dtype)
     )
     if placement == StatePlacement():
         return None
-    reason = problem(placement)
+    reason = get_adapter().state_placement_problem(placement)
     if reason is not None:
         raise NotImplementedError(reason)
     return placement

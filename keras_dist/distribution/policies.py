@@ -61,8 +61,10 @@ class Distribution(PlacesState, KerasDistribution):
             a KerasHub backbone, is looked into: its blocks are the
             pieces). Training is unchanged. JAX and
             PyTorch (TensorFlow raises `NotImplementedError`).
-        offload, optimizer_state_dtype: keyword only; optimizer state in host
-            memory, in another dtype (see `PlacesState`; JAX only).
+        offload: keyword only. `"optimizer"`: the optimizer's slots in host
+            memory between steps (see `PlacesState`; JAX only).
+        optimizer_state_dtype: keyword only. The slots' dtype, e.g.
+            `"bfloat16"`, updated in float32 (see `PlacesState`; JAX only).
     """
 
     #: Capabilities the backend adapters read (they never ask for a type).
@@ -89,9 +91,7 @@ class Distribution(PlacesState, KerasDistribution):
         optimizer_state_dtype: Any = None,
     ):
         self._remat = check_remat(remat)
-        self._state_placement = state_placement(
-            offload, optimizer_state_dtype, get_adapter().state_placement_problem
-        )
+        self._state_placement = state_placement(offload, optimizer_state_dtype)
         self._device_mesh = check_mesh(device_mesh)
         if batch_dim_name is None:
             batch_dim_name = device_mesh.axis_names[0]
@@ -260,9 +260,10 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
             `tf.distribute` do by default (the moving statistics are still kept
             equal everywhere). On JAX the statistics are global either way, as
             in Keras' own `DataParallel`.
-        remat, offload, optimizer_state_dtype: keyword only; see `Distribution`.
+        remat: keyword only; see `Distribution`.
 
     With neither argument, every device of `list_devices()` is used.
+    `offload=` and `optimizer_state_dtype=` (keyword only): see `Distribution`.
 
     Example:
 
@@ -349,13 +350,15 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
         batch_dim_name: the mesh axis that splits the batch. Defaults to the
             mesh's first axis.
         auto_shard_dataset: see `Distribution`.
-        remat, offload, optimizer_state_dtype: keyword only; see `Distribution`.
+        remat: keyword only; see `Distribution`.
         mixed_precision: keyword only. A `keras_dist.MixedPrecisionPolicy`
             (or its compute dtype, `"bfloat16"`): the float32 layers compute
             in that dtype for the calls under this distribution, their
             variables kept float32, and gradients are reduced in its
             `reduce_dtype`. None (the default): each layer as its own Keras
             dtype policy says.
+
+    `offload=` and `optimizer_state_dtype=` (keyword only): see `Distribution`.
 
     Example:
 
@@ -496,10 +499,6 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
         return self._on_mesh(self._layout_map[path])
 
 
-def _is_floating(dtype: Any) -> bool:
-    return "float" in keras.backend.standardize_dtype(dtype)
-
-
 class FSDP(ModelParallel):
     """Fully sharded data parallelism (ZeRO-3): every large variable split
     along the data axis, batches split along the same axis.
@@ -539,9 +538,8 @@ class FSDP(ModelParallel):
             a tiny tensor costs more in latency than its memory is worth.
         layout_map: an optional `LayoutMap` for the other mesh axes.
         auto_shard_dataset: see `Distribution`.
-        remat, offload, optimizer_state_dtype: keyword only; see
-            `Distribution` (remat: activation checkpointing, for models whose
-            activations do not fit beside their shards).
+        remat: keyword only; see `Distribution` (activation checkpointing, for
+            models whose activations do not fit beside their shards).
         mixed_precision: keyword only; see `ModelParallel` (FSDP2's
             `MixedPrecisionPolicy`: weights gathered and computed in bfloat16,
             kept float32 in their shards).
@@ -562,6 +560,8 @@ class FSDP(ModelParallel):
             process between calls and at each call's end. A `fit` without
             this distribution gathers the state back first. On JAX the state
             is a sharded array either way; TensorFlow does not split it.
+
+    `offload=` and `optimizer_state_dtype=` (keyword only): see `Distribution`.
 
     Example:
 
@@ -660,7 +660,7 @@ class FSDP(ModelParallel):
     ) -> int | None:
         """The dimension `axis` splits for a variable with this `path`,
         `shape`, `dtype` and layout-map `axes`, or None (replicated)."""
-        if self._axis in axes or not _is_floating(dtype):
+        if self._axis in axes or "float" not in keras.backend.standardize_dtype(dtype):
             return None
         if int(np.prod(shape, dtype=np.int64)) < self._min_size:
             return None
