@@ -346,3 +346,20 @@ def test_the_static_plan_says_which_slots_live_in_host_memory_and_their_dtype():
     )
     assert after.total == before.total - before.optimizer_slots + after.optimizer_slots
     assert "slots in host memory" in str(placed)
+
+
+@jax_only
+def test_a_loss_scale_optimizer_offloads_its_inner_optimizers_slots():
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        expected = _fit(_model(keras.optimizers.Adam(0.01)), kd.DataParallel())
+        model = _model(keras.optimizers.Adam(0.01))
+        weights = _fit(model, kd.DataParallel(offload="optimizer"))
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert type(model.optimizer).__name__ == "LossScaleOptimizer"
+    for got, want in zip(weights, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert {v.value.sharding.memory_kind for v in _state_slots(model)} == {
+        "pinned_host"
+    }

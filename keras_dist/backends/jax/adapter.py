@@ -322,7 +322,9 @@ class JaxAdapter(BackendAdapter):
             internals.relayout_variable(slot, layout)
 
         return each_new_slot(
-            optimizer, made, state_dtype=offload.slot_dtype_for(placement)
+            offload.updating(optimizer),
+            made,
+            state_dtype=offload.slot_dtype_for(placement),
         )
 
     def activate(self, model: Any, distribution: Any) -> None:
@@ -330,7 +332,9 @@ class JaxAdapter(BackendAdapter):
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and optimizer.built:
             placement = getattr(distribution, "state_placement", None)
-            offload.check_built_slots(optimizer, model.trainable_variables, placement)
+            offload.check_built_slots(
+                offload.updating(optimizer), model.trainable_variables, placement
+            )
         # Before anything moves: a failed move would leave the model half laid
         # out (its layout set, its value not), and even a plain `fit` broken.
         for variable, layout in planned:
@@ -396,7 +400,8 @@ class JaxAdapter(BackendAdapter):
         placement = getattr(distribution, "state_placement", None)
         if placement is not None and getattr(model, "optimizer", None) is not None:
             # Each variable's update moves and casts its own slots.
-            self._on_deactivate(model, offload.install(model.optimizer, placement))
+            updating = offload.updating(model.optimizer)
+            self._on_deactivate(model, offload.install(updating, placement))
         layers = layers_of(model)
         if getattr(distribution, "remat", None) is not None or any(
             keras_remat.mode_of(layer) is not None for layer in layers

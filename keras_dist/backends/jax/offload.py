@@ -57,6 +57,12 @@ def slot_dtype_for(placement: Any) -> Callable[[Any], Any] | None:
     return lambda reference: placement.slot_dtype(reference.dtype)
 
 
+def updating(optimizer: Any) -> Any:
+    """The optimizer that makes and updates the slots: a
+    `LossScaleOptimizer`'s inner one (under `mixed_float16`), else itself."""
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
 def check_built_slots(optimizer: Any, variables: list, placement: Any) -> None:
     """Refuse an optimizer built before in another state dtype (its slots
     cannot change dtype): naming the slot and what to do."""
