@@ -41,10 +41,12 @@ import keras_dist as kd  # isort: skip  (applies KERAS_DIST_CPU_DEVICES first)
 
 import argparse
 import json
+import re
 import statistics
 import time
 from typing import Any
 
+import jax
 import keras
 import numpy as np
 
@@ -137,17 +139,65 @@ def _compiled_peaks(
     return out
 
 
+def _host_copies(text: str) -> dict[str, int]:
+    """The copies between host memory (`S(5)`) and the device in a compiled
+    program (XLA's text), inside the branches of its conditionals and
+    elsewhere."""
+    branches = set()
+    for names in re.findall(r"branch_computations=\{([^}]*)\}", text):
+        branches.update(name.strip() for name in names.split(","))
+    counts = {"in_conditional_branches": 0, "elsewhere": 0}
+    computation = None
+    for line in text.splitlines():
+        header = re.match(r"^(?:ENTRY )?(%[\w.\-]+) ", line)
+        if header and line.rstrip().endswith("{"):
+            computation = header.group(1)
+        elif " copy-start(" in line and "S(5)" in line:
+            where = (
+                "in_conditional_branches" if computation in branches else "elsewhere"
+            )
+            counts[where] += 1
+    return counts
+
+
 def compiled_mode(args: argparse.Namespace) -> dict[str, Any]:
-    return {
+    def model() -> keras.Model:
+        optimizer = keras.optimizers.Adam(gradient_accumulation_steps=args.accumulation)
+        return _stack(args.layers, args.width, optimizer)
+
+    out = {
         "mode": "compiled",
         "topology": args.topology,
         "layers": args.layers,
         "width": args.width,
         "parameters": args.layers * args.width**2,
-        "train_step": _compiled_peaks(
-            lambda: _stack(args.layers, args.width), args.topology, args.batch
-        ),
+        "gradient_accumulation_steps": args.accumulation,
+        "train_step": _compiled_peaks(model, args.topology, args.batch),
     }
+    if args.accumulation:
+        # Where the offloaded step moves the state: in the update step's
+        # branch only, or on every micro-step.
+        texts: list[str] = []
+        compile_lowered = jax.stages.Lowered.compile
+
+        def compile_and_keep(self: Any, *a: Any, **k: Any) -> Any:
+            compiled = compile_lowered(self, *a, **k)
+            texts.append(compiled.as_text())
+            return compiled
+
+        jax.stages.Lowered.compile = compile_and_keep
+        try:
+            kd.plan(
+                model,
+                lambda mesh: kd.DataParallel(mesh, offload="optimizer"),
+                topology=args.topology,
+                batch_size=args.batch,
+                steps=("train",),
+            )
+        finally:
+            jax.stages.Lowered.compile = compile_lowered
+        out["offloaded_host_copies"] = _host_copies(texts[-1])
+    return out
 
 
 def _out_of_memory(error: BaseException) -> bool:
@@ -257,6 +307,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--topology", default="v5e:1x1")
+    parser.add_argument("--accumulation", type=int, default=None)
     parser.add_argument("--depths", type=int, nargs="+", default=[16, 20, 24, 32, 36])
     args = parser.parse_args()
     defaults = {
