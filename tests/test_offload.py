@@ -284,9 +284,9 @@ def test_a_checkpoint_of_offloaded_state_saves_and_restores_it(tmp_path):
 
 
 # -- the state in bfloat16 ------------------------------------------------------
-# Measured: 2 epochs of Adam(0.01) on this model, the weights of bfloat16
-# state differ from float32 state's by at most ~2e-3.
-BF16_TOLERANCE = 1e-2
+# Measured: 2 epochs (4 steps) of Adam(0.01) on this model, the weights of
+# bfloat16 state differ from float32 state's by at most 9.7e-5.
+BF16_TOLERANCE = 1e-3
 
 
 @jax_only
