@@ -43,7 +43,7 @@ def _renderables(plan: Any) -> list[Any]:
             row.path,
             str(row.shape),
             row.dtype,
-            row.role,
+            row.role if row.memory == "device" else f"{row.role} ({row.memory})",
             row.key,
             str(row.axes),
             _bytes(row.bytes_per_device),
@@ -59,6 +59,9 @@ def _renderables(plan: Any) -> list[Any]:
         devices.add_column(column, justify="right")
     devices.add_column("total", justify="right")
     devices.add_column("memory", justify="right")
+    host = any(device.host_optimizer_slots for device in plan.devices)
+    if host:
+        devices.add_column("slots in host memory", justify="right")
     for label, group in device_groups(plan):
         device = group[0]
         devices.add_row(
@@ -69,6 +72,7 @@ def _renderables(plan: Any) -> list[Any]:
             _bytes(device.activations),
             _bytes(device.total),
             _bytes(device.memory),
+            *([_bytes(device.host_optimizer_slots)] if host else []),
         )
     parts: list[Any] = [verdict(plan), variables, devices]
     parts += [f"* {note}" for note in plan.notes]

@@ -33,6 +33,9 @@ class VariableRow:
     axes: tuple[str | None, ...]
     total_bytes: int
     bytes_per_device: int
+    # Where it lives: "device", or "pinned_host" for an optimizer slot that
+    # the distribution's `offload="optimizer"` keeps in host memory.
+    memory: str = "device"
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class DeviceTotals:
     """Bytes one device holds at the optimizer's update, when the most is
     alive at once: the variables, a gradient for each trainable one (in its
     dtype, laid out as it is), the optimizer's slots and the activations'
-    estimate. `memory` is None when unknown."""
+    estimate. `memory` is None when unknown. `host_optimizer_slots`: the
+    slots this device's part of which lives in pinned host memory
+    (`offload="optimizer"`), not counted in `total`."""
 
     device: str
     parameters: int
@@ -48,6 +53,7 @@ class DeviceTotals:
     activations: int | None
     memory: int | None
     gradients: int = 0
+    host_optimizer_slots: int = 0
 
     @property
     def total(self) -> int:
