@@ -17,7 +17,9 @@ whichever comes first. That is also when keras_dist patches Keras (see
 `keras_dist.keras_compat`), so the patches are in place before any model
 exists. Simulated devices (`KERAS_DIST_CPU_DEVICES`) are set up at import,
 before the backend starts: with that variable, importing keras_dist imports
-the backend.
+the backend. Before that, on a host without a TPU where libtpu is installed,
+keras_dist tells libtpu so, and JAX starts without libtpu's errors
+(`keras_dist.common.tpu_host`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from keras_dist._version import __version__  # noqa: F401
+from keras_dist.common import tpu_host
 from keras_dist.runtime import device_simulation
 
 # `keras_dist.distribution` is the function of the public API, not the
@@ -38,6 +41,9 @@ from keras_dist.runtime import device_simulation
 importlib.import_module("keras_dist.distribution")
 globals().pop("distribution")
 
+# libtpu (the `tpu` extra) on a host without a TPU: quiet when JAX starts it,
+# which simulating devices may do.
+tpu_host.quiet_libtpu_without_tpu()
 # Simulated devices must be configured before the backend runtime starts.
 device_simulation.apply_from_environment()
 
