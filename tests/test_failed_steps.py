@@ -16,6 +16,7 @@ import pytest
 from keras import ops
 
 import keras_dist as kd
+from keras_dist.training import out_of_memory
 from keras_dist.training.out_of_memory import OutOfDeviceMemoryError
 
 
@@ -114,6 +115,22 @@ def test_evaluate_predict_and_the_trainer_raise_with_verbose_0():
     trained = _model(Trained, distribution=_two_devices())
     with pytest.raises(OutOfDeviceMemoryError, match="^fit ran"):
         trained.fit(X, Y, batch_size=8, verbose=0)
+
+
+@pytest.mark.backend("jax")
+def test_the_message_says_which_memory_it_could_not_read():
+    """A device of no known kind (planned devices this host lacks): its
+    memory is not read, and the message says why instead of "unknown"."""
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
+    model.compile(optimizer="adam", loss="mse")
+    distribution = kd.DataParallel(devices=["gpu:0", "gpu:1"])
+    message = out_of_memory.explain(model, distribution, "fit")
+    assert (
+        "the device's memory limit could not be read (the device reports "
+        "none, and keras_dist has no data sheet for its kind)" in message
+    )
+    assert "no memory limit to compare with" in message
+    assert "unknown" not in message
 
 
 @pytest.mark.backend("jax")
