@@ -17,9 +17,9 @@ whichever comes first. That is also when keras_dist patches Keras (see
 `keras_dist.keras_compat`), so the patches are in place before any model
 exists. Simulated devices (`KERAS_DIST_CPU_DEVICES`) are set up at import,
 before the backend starts: with that variable, importing keras_dist imports
-the backend. Before that, on a host without a TPU where libtpu is installed,
-keras_dist tells libtpu so, and JAX starts without libtpu's errors
-(`keras_dist.common.tpu_host`).
+the backend. Before that, on a host where libtpu is installed but JAX could
+only find CPU devices, JAX starts its CPU backend alone (`JAX_PLATFORMS=cpu`,
+unless set), without libtpu's errors (`keras_dist.common.tpu_host`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import contextlib
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -41,9 +42,22 @@ from keras_dist.runtime import device_simulation
 importlib.import_module("keras_dist.distribution")
 globals().pop("distribution")
 
-# libtpu (the `tpu` extra) on a host without a TPU: quiet when JAX starts it,
-# which simulating devices may do.
-tpu_host.quiet_libtpu_without_tpu()
+
+def _start_jax_without_libtpu() -> None:
+    """libtpu (the `tpu` extra) on a host where JAX could only find CPU
+    devices: JAX starts its CPU backend alone, without libtpu's errors."""
+    platforms = tpu_host.jax_platforms_default()
+    if platforms is None:
+        return
+    if "jax" in sys.modules:  # its configuration read the environment already
+        module = importlib.import_module("keras_dist.backends.jax.platforms")
+        module.default_platforms(platforms)
+    else:
+        os.environ["JAX_PLATFORMS"] = platforms
+
+
+# Before simulating devices, which may start the backend.
+_start_jax_without_libtpu()
 # Simulated devices must be configured before the backend runtime starts.
 device_simulation.apply_from_environment()
 

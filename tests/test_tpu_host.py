@@ -49,54 +49,64 @@ def test_tpu_host_detection_counts_google_devices_and_tpu_device_files(tmp_path)
     assert not tpu_host.may_have_tpu(str(root))
 
 
-def test_tpu_host_defaults_only_where_nothing_else_decides(tmp_path):
-    quiet = tpu_host.quiet_libtpu_without_tpu
-    environ: dict[str, str] = {}
-    assert quiet(environ, root=str(tmp_path), installed=True) == {
+def test_tpu_host_jax_starts_on_the_cpu_only_where_nothing_else_decides(tmp_path):
+    default = tpu_host.jax_platforms_default
+    host = {"root": str(tmp_path), "installed": True, "plugins": False}
+    assert default({}, **host) == "cpu"
+    # The user's choice wins, an empty one too (JAX's "choose for me").
+    assert default({"JAX_PLATFORMS": ""}, **host) is None
+    assert default({}, **dict(host, installed=False)) is None
+    assert default({}, **dict(host, plugins=True)) is None
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev/nvidiactl").write_text("")
+    assert default({}, **host) is None
+
+
+def test_tpu_host_topology_variables_only_where_nothing_else_decides(tmp_path):
+    variables = tpu_host.topology_variables
+    assert variables({}, root=str(tmp_path)) == {
         "TPU_WORKER_HOSTNAMES": "localhost",
         "TPU_HOST_BOUNDS": "1,1,1",
     }
-    assert environ == tpu_host.QUIET_DEFAULTS
     # The user's variable wins, whole: nothing of ours beside it.
     for name in tpu_host.TOPOLOGY_VARIABLES:
-        environ = {name: "theirs"}
-        assert quiet(environ, root=str(tmp_path), installed=True) == {}
-        assert environ == {name: "theirs"}
-    # Without libtpu, or where a TPU may be attached: nothing.
-    environ = {}
-    assert quiet(environ, root=str(tmp_path), installed=False) == {}
+        assert variables({name: "theirs"}, root=str(tmp_path)) == {}
     _device(tmp_path, "0000:00:06.0", "0x1ae0", "0x0063")
-    assert quiet(environ, root=str(tmp_path), installed=True) == {} == environ
+    assert variables({}, root=str(tmp_path)) == {}
 
 
 def _environment() -> dict[str, str]:
     """This process' environment without what importing keras_dist set."""
     environ = dict(os.environ, KERAS_BACKEND="jax")
     environ.pop("KERAS_DIST_CPU_DEVICES", None)
-    for name, value in tpu_host.QUIET_DEFAULTS.items():
-        if environ.get(name) == value:
-            del environ[name]
+    if environ.get("JAX_PLATFORMS") == "cpu":
+        del environ["JAX_PLATFORMS"]
     return environ
 
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None
-    or tpu_host.may_have_tpu()
-    or any(name in _environment() for name in tpu_host.TOPOLOGY_VARIABLES),
-    reason="needs libtpu (tests/run_tpu_topology.sh), on a host without a TPU",
+    or tpu_host.jax_platforms_default(_environment()) is None
+    or tpu_host.topology_variables(_environment()) == {},
+    reason="needs libtpu (tests/run_tpu_topology.sh), on a host with only CPUs",
 )
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    environ = _environment()
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        env=environ,
+        env=_environment(),
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
+
+
+def _libtpu_lines(stderr: str) -> list[str]:
+    return [
+        line for line in stderr.splitlines() if any(w in line for w in LIBTPU_WORDS)
+    ]
 
 
 @needs_libtpu
@@ -105,8 +115,15 @@ def test_with_libtpu_a_cpu_run_and_a_tpu_plan_print_no_libtpu_errors():
     plain = _run("import jax; print(jax.devices())")
     assert plain.returncode == 0, plain.stderr
     assert "worker hostname" in plain.stderr, plain.stderr
+    # keras_dist first: the environment; then JAX's configuration.
+    first = _run(
+        "import os, keras_dist, jax; print(jax.devices(), os.environ['JAX_PLATFORMS'])"
+    )
+    assert first.stdout.strip() == "[CpuDevice(id=0)] cpu", first.stderr
+    assert _libtpu_lines(first.stderr) == [], first.stderr
     done = _run(
         """
+        import os
         import keras, numpy as np
         import keras_dist as kd
         import jax
@@ -118,19 +135,16 @@ def test_with_libtpu_a_cpu_run_and_a_tpu_plan_print_no_libtpu_errors():
             model.compile(optimizer="adam", loss="mse")
             return model
 
+        plan = kd.plan(build, kd.DataParallel, topology="v5e:2x2", batch_size=8)
+        # libtpu's variables were set for the plan only: no cluster job here.
+        assert "TPU_WORKER_HOSTNAMES" not in os.environ
         model = build()
         model.fit(np.ones((8, 8)), np.ones((8, 1)), verbose=0,
                   callbacks=[kd.DistributeCallback(kd.DataParallel())])
-        plan = kd.plan(build, kd.DataParallel, topology="v5e:2x2", batch_size=8)
         print("devices", jax.devices(), "peak", plan.compiled.peak_bytes)
         """
     )
     assert done.returncode == 0, done.stderr
     assert "devices [CpuDevice(id=0)] peak " in done.stdout, done.stdout
     assert int(done.stdout.split("peak ")[1]) > 0
-    found = [
-        line
-        for line in done.stderr.splitlines()
-        if any(w in line for w in LIBTPU_WORDS)
-    ]
-    assert found == [], done.stderr
+    assert _libtpu_lines(done.stderr) == [], done.stderr
