@@ -16,7 +16,7 @@ from its own package), imports inside functions included:
     checkpoint
     schedules, flops, callbacks
     callback, trainer
-    __init__, __main__, cli, cli_search
+    __init__, __main__, cli, cli_plan, cli_search
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ LAYERS = [
     {"checkpoint"},
     {"schedules", "flops", "callbacks"},
     {"callback", "trainer"},
-    {"__init__", "__main__", "cli", "cli_search"},
+    {"__init__", "__main__", "cli", "cli_plan", "cli_search"},
 ]
 MAX_LINES = 700
 

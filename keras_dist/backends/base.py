@@ -257,10 +257,15 @@ class BackendAdapter(abc.ABC):
         raise self._no_compiled_plan()
 
     def topology_mesh_devices(
-        self, devices: list[Any], shape: tuple[int, ...], num_slices: int
+        self,
+        devices: list[Any],
+        shape: tuple[int, ...],
+        num_slices: int,
+        slice_axis: int | None = None,
     ) -> Any:
         """`devices` as an array of the mesh's `shape`, laid out along the
-        topology's links."""
+        topology's links; with several slices, axis `slice_axis` (default:
+        the first the slice count divides) spans them."""
         raise self._no_compiled_plan()
 
     def compile_steps(

@@ -130,8 +130,10 @@ def plan(
             without it, every device on one axis `"batch"`; `batch_size` is
             needed. A model function may compile its model (the step needs
             its loss and optimizer); its variables are never allocated.
-        num_slices: TPU slices joined by the data-center network; the first
-            mesh axis that the count divides spans them.
+        num_slices: TPU slices joined by the data-center network; the
+            distribution's batch axis spans them where the count divides it
+            (else the first axis it divides, with a warning), and what
+            crosses them is counted as `"cross-slice"` collective bytes.
         target_shape: one sample's target shape for the compiled step, when
             it is not the model's output shape (or that shape without its
             last dimension, for a sparse loss).

@@ -137,7 +137,12 @@ def _compiled_renderables(rich: Any, compiled: Any) -> list[Any]:
     title = (
         f"Compiled for {compiled.topology}: {compiled.devices} x "
         f"{compiled.device_kind}"
-        + (f", {compiled.num_slices} slices" if compiled.num_slices > 1 else "")
+        + (
+            f", {compiled.num_slices} slices (mesh axis {compiled.slice_axis!r} "
+            "spans them)"
+            if compiled.num_slices > 1
+            else ""
+        )
         + f", computing in {compiled.compute_dtype} (per device)"
     )
     table = rich.table.Table(title=title)

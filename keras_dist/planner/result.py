@@ -68,7 +68,8 @@ class CompiledStep:
     less the buffers the outputs alias (the donated state). `flops` and
     `bytes_accessed` are XLA's cost analysis of one step. `collective_bytes`
     is read from the compiled program: per kind, the bytes of the buffers its
-    collectives work on (`collective_counts`: how many). `seconds` is the
+    collectives work on (`collective_counts`: how many); `"cross-slice"` is
+    what each device hands the data-center network (several slices). `seconds` is the
     roofline's time for each of `"compute"`, `"memory"`, `"interconnect"` and
     `"network"` (None where the chip's figure is unknown); `step_seconds` the
     longest. `error` is XLA's words when it refused to compile the step (out
@@ -102,6 +103,8 @@ class CompiledPlan:
     step compiled. `memory` is one device's memory (the chip's HBM), None
     when unknown; `fits` whether the train step's peak is within it (None
     when either is unknown) and `margin_bytes` by how much (negative: short).
+    `slice_axis` is the mesh axis that spans the slices (its collectives
+    cross the data-center network), None on one slice.
     """
 
     topology: str
@@ -112,6 +115,7 @@ class CompiledPlan:
     steps: dict[str, CompiledStep]
     memory: int | None
     notes: list[str] = field(default_factory=list)
+    slice_axis: str | None = None
 
     @property
     def train(self) -> CompiledStep:
@@ -237,6 +241,7 @@ def _compiled_dict(compiled: CompiledPlan) -> dict[str, Any]:
         "device_kind": compiled.device_kind,
         "devices": compiled.devices,
         "num_slices": compiled.num_slices,
+        "slice_axis": compiled.slice_axis,
         "compute_dtype": compiled.compute_dtype,
         "memory": compiled.memory,
         "fits": compiled.fits,

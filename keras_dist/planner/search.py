@@ -66,6 +66,8 @@ class Outcome:
     screened: str | None = None
     seconds: float = 0.0
     plan: Plan | None = None
+    # A screened candidate's bytes short per device (static plan).
+    shortfall: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,12 @@ def _topology_key(name: str, num_slices: int) -> str:
     return parsed.libtpu_name or f"{parsed.platform}:{parsed.chips}"
 
 
-def _screen(model: Any, function: Any, candidate: Candidate, job: Job) -> Any:
+def _screen(
+    model: Any, function: Any, candidate: Candidate, job: Job
+) -> tuple[str, int] | None:
     """Why `candidate` cannot fit, from its static plan (its variables and
-    optimizer state per device against the memory), or None."""
+    optimizer state per device against the memory), and by how many bytes
+    per device; or None."""
     if job.memory is None:
         return None
     static = plan(
@@ -120,7 +125,8 @@ def _screen(model: Any, function: Any, candidate: Candidate, job: Job) -> Any:
         return None
     return (
         f"not compiled: the variables and optimizer state alone need {held:,} "
-        f"bytes per device (static plan), more than the {job.memory:,} there"
+        f"bytes per device (static plan), more than the {job.memory:,} there",
+        held - job.memory,
     )
 
 
@@ -158,9 +164,10 @@ def compile_candidate(model: Any, candidate: Candidate, job: Job) -> Outcome:
         compiled=None if result is None else result.compiled,
         problems=[] if result is None else list(result.problems),
         warnings=_said(caught),
-        screened=screened,
+        screened=None if screened is None else screened[0],
         seconds=time.perf_counter() - started,
         plan=result,
+        shortfall=None if screened is None else screened[1],
     )
 
 
@@ -302,6 +309,7 @@ class _Search:
             plan=outcome.plan,
             error=outcome.error,
             reason=outcome.screened,
+            screened_shortfall=outcome.shortfall,
             problems=outcome.problems,
             warnings=outcome.warnings,
             seconds=outcome.seconds,
@@ -567,6 +575,9 @@ def plan_search(
         title=title,
         notes=search.notes,
         seconds=time.monotonic() - began,
+        batch_size=batch_size,
+        num_slices=parsed.num_slices,
+        platform=parsed.platform,
     )
 
 

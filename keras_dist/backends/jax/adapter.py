@@ -403,9 +403,13 @@ class JaxAdapter(BackendAdapter):
         return compiled_plan.topology_devices(platform, name, count, num_slices)
 
     def topology_mesh_devices(
-        self, devices: list[Any], shape: tuple[int, ...], num_slices: int
+        self,
+        devices: list[Any],
+        shape: tuple[int, ...],
+        num_slices: int,
+        slice_axis: int | None = None,
     ) -> Any:
-        return compiled_plan.device_mesh_array(devices, shape, num_slices)
+        return compiled_plan.device_mesh_array(devices, shape, num_slices, slice_axis)
 
     def compile_steps(
         self, model: Any, distribution: Any, data: Any, kinds: tuple[str, ...]

@@ -10,7 +10,14 @@ nothing is allocated. What XLA says of the compiled program is read here:
 
     memory_analysis()   arguments + outputs + temporaries + code - aliased
     cost_analysis()     flops, bytes accessed (per device)
-    as_text()           every collective, its kind and its bytes per device
+    as_text()           every collective, its kind and its bytes per device;
+                        with several slices, what crosses them: each slice
+                        runs its own program, whose collectives stay in the
+                        slice, and XLA hands what crosses slices to the
+                        megascale runtime as `send`/`recv` pairs marked
+                        `_xla_megascale_transfer_type` (the gradients'
+                        all-reduce: a reduce-scatter in the slice, the
+                        shard's all-reduce across slices, an all-gather)
 """
 
 from __future__ import annotations
@@ -61,6 +68,11 @@ _INSTRUCTION = re.compile(
     r"=\s*(?P<type>.+?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\("
 )
 _CHANNEL = re.compile(r"channel_id=(\d+)")
+#: `collectives()`' key for what crosses slices (the data-center network).
+CROSS_SLICE = "cross-slice"
+_MEGASCALE_SEND = re.compile(r"=\s*(?P<type>\(.+?\))\s+send\(")
+_RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]*)"')
+_TRANSFER = re.compile(r'_xla_megascale_transfer_type="([A-Z_]*)"')
 # The chips of one TPU host along each axis of a slice, as libtpu assumes.
 _HOST_CHIPS = (2, 2, 1)
 
@@ -149,12 +161,16 @@ def topology_devices(platform: str, name: str, count: int, num_slices: int) -> l
 
 
 def device_mesh_array(
-    devices: list, shape: tuple[int, ...], num_slices: int
+    devices: list,
+    shape: tuple[int, ...],
+    num_slices: int,
+    slice_axis: int | None = None,
 ) -> np.ndarray:
     """`devices` arranged as a mesh of `shape`, neighbours in the slice's
-    links next to each other (`mesh_utils`); with several slices, the first
-    axis that the slice count divides spans the slices (data-center network)
-    and the rest stays within each slice."""
+    links next to each other (`mesh_utils`); with several slices, axis
+    `slice_axis` (default: the first axis that the slice count divides)
+    spans the slices (data-center network) and the rest stays within each
+    slice."""
     from jax.experimental import mesh_utils  # noqa: PLC0415
 
     if len(devices) != int(np.prod(shape)):
@@ -167,16 +183,20 @@ def device_mesh_array(
             return mesh_utils.create_device_mesh(shape, devices)
         except (ValueError, NotImplementedError, AssertionError):
             return np.asarray(devices, dtype=object).reshape(shape)
-    across = [1] * len(shape)
-    for axis, size in enumerate(shape):
-        if size % num_slices == 0:
-            across[axis] = num_slices
-            break
-    else:
+    if slice_axis is None:
+        slice_axis = next(
+            (axis for axis, size in enumerate(shape) if size % num_slices == 0), None
+        )
+    if slice_axis is None or shape[slice_axis] % num_slices:
         raise ValueError(
             f"With {num_slices} slices one mesh axis must span them: no axis "
             f"of shape {shape} is a multiple of {num_slices}."
+            if slice_axis is None
+            else f"Axis {slice_axis} of the mesh {shape} cannot span "
+            f"{num_slices} slices: its size is not a multiple of {num_slices}."
         )
+    across = [1] * len(shape)
+    across[slice_axis] = num_slices
     within = [size // slices for size, slices in zip(shape, across, strict=True)]
     return mesh_utils.create_hybrid_device_mesh(
         within, across, devices, allow_split_physical_axes=True
@@ -277,7 +297,8 @@ def compile_step(model: Any, kind: str, state: tuple, batch: Any) -> dict[str, A
     if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
     cost = cost or {}
-    moved, counts = collectives(compiled.as_text())
+    slices = len(set(mesh_slices(devices).values()))
+    moved, counts = collectives(compiled.as_text(), len(devices) // slices, slices)
     return {
         "kind": kind,
         "compile_seconds": seconds,
@@ -313,7 +334,9 @@ def _array_bytes(type_text: str) -> list[int]:
     return sizes
 
 
-def collectives(hlo_text: str) -> tuple[dict[str, int], dict[str, int]]:
+def collectives(
+    hlo_text: str, slice_devices: int | None = None, num_slices: int = 1
+) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes per device each kind of collective works on in one run of the
     compiled program `hlo_text`, and how many of each there are.
 
@@ -321,9 +344,31 @@ def collectives(hlo_text: str) -> tuple[dict[str, int], dict[str, int]]:
     all-gather returns, what a reduce-scatter is given, the buffer an
     all-reduce, all-to-all or collective-permute exchanges. A collective XLA
     placed in several computations (an asynchronous start and its
-    continuation) carries one channel id and is counted once."""
+    continuation) carries one channel id and is counted once.
+
+    `CROSS_SLICE` ("cross-slice") counts the bytes each device sends across
+    the `num_slices` slices: for each megascale transfer (a `send` and its
+    `recv`) a ring's count of its buffer b, 2 (S - 1) / S x b for an
+    all-reduce, (S - 1) x b for an all-gather (b: the shard sent; its
+    `recv` brings S of them), (S - 1) / S x b otherwise; and the buffer of a
+    collective whose groups hold more than the `slice_devices` devices of
+    one slice (counted in its own kind too).
+
+    >>> moved, counts = collectives(
+    ...     '%s = (f32[1024]{0}, u32[], token[]) send(%x, %t), channel_id=2, '
+    ...     '_xla_host_transfer_rendezvous="all-reduce.3_0",'
+    ...     '_xla_megascale_transfer_type="ALL_REDUCE"'
+    ... )
+    >>> moved["cross-slice"], counts["cross-slice"]
+    (4096, 1)
+    """
     seen: dict[tuple[str, str], int] = {}
     for line in hlo_text.splitlines():
+        sent = _megascale_send(line, num_slices)
+        if sent is not None:
+            key = (CROSS_SLICE, sent[0])
+            seen[key] = max(seen.get(key, 0), sent[1])
+            continue
         match = _INSTRUCTION.search(line)
         if match is None:
             continue
@@ -337,17 +382,48 @@ def collectives(hlo_text: str) -> tuple[dict[str, int], dict[str, int]]:
             moved = max(sizes)
         else:
             moved = sum(sizes)
+        group = _group_size(line)
         if op == "reduce-scatter":
-            moved *= _group_size(line)
+            moved *= group
         channel = _CHANNEL.search(line)
         key = (op, channel.group(1) if channel else line)
         seen[key] = max(seen.get(key, 0), moved)
-    moved_by_kind = dict.fromkeys(COLLECTIVES, 0)
-    groups = dict.fromkeys(COLLECTIVES, 0)
+        if slice_devices is not None and group > slice_devices:
+            seen[(CROSS_SLICE, line)] = moved
+    kinds = (*COLLECTIVES, CROSS_SLICE)
+    moved_by_kind = dict.fromkeys(kinds, 0)
+    groups = dict.fromkeys(kinds, 0)
     for (op, _), size in seen.items():
         moved_by_kind[op] += size
         groups[op] += 1
     return moved_by_kind, groups
+
+
+def _megascale_send(line: str, num_slices: int) -> tuple[str, int] | None:
+    """`(transfer name, bytes this device sends)` of a `send` that crosses
+    slices (XLA's megascale transfer), or None."""
+    if "_xla_megascale_transfer_type" not in line:
+        return None
+    match = _MEGASCALE_SEND.search(line)
+    if match is None:
+        return None
+    sizes = _array_bytes(match.group("type"))
+    if not sizes:
+        return None
+    payload = sizes[0]  # then the send's u32 context and a token
+    rendezvous = _RENDEZVOUS.search(line)
+    channel = _CHANNEL.search(line)
+    name = rendezvous.group(1) if rendezvous else channel.group(1) if channel else line
+    transfer = _TRANSFER.search(line)
+    kind = transfer.group(1) if transfer else ""
+    slices = max(num_slices, 2)
+    if kind == "ALL_REDUCE":
+        share = 2 * (slices - 1) / slices
+    elif kind == "ALL_GATHER":
+        share = slices - 1
+    else:
+        share = (slices - 1) / slices
+    return name, int(payload * share)
 
 
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
