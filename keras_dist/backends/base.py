@@ -318,6 +318,15 @@ class BackendAdapter(abc.ABC):
         default."""
         return contextlib.nullcontext()
 
+    def wait_for_steps(self, model: Any) -> None:
+        """Return once every step dispatched for `model` has run; a step that
+        failed on a device raises its engine's error here. Called at the end
+        of each epoch and of each distributed call, never per step. PyTorch
+        and TensorFlow raise a step's error from the step itself (their steps
+        run before the call that dispatched them returns): nothing to wait
+        for by default."""
+        return None
+
     def scope(self, distribution: Any) -> Any:
         """A context manager entered by `distribution.scope()`, after the
         distribution became the global one. Nothing more by default."""

@@ -36,8 +36,20 @@ def is_out_of_memory(error: BaseException) -> bool:
     return any(word in text for word in _WORDS)
 
 
-def _gib(count: int | None) -> str:
-    return "unknown" if count is None else f"{count / 2**30:.2f} GiB"
+def _gib(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB"
+
+
+def _memory_of(device: Any) -> str:
+    """What the message says of `device`'s memory (a plan's `DeviceTotals`)."""
+    if device.memory is not None:
+        return f"the device has {_gib(device.memory)}"
+    why = (
+        "CPU devices report none"
+        if str(device.device).startswith("cpu")
+        else "the device reports none, and keras_dist has no data sheet for its kind"
+    )
+    return f"the device's memory limit could not be read ({why})"
 
 
 def explain(model: Any, distribution: Any, name: str) -> str:
@@ -69,8 +81,7 @@ def explain(model: Any, distribution: Any, name: str) -> str:
         f"{result.mesh}). What each device holds before any activation or "
         f"XLA temporary (keras_dist's static plan): parameters "
         f"{_gib(device.parameters)}, gradients {_gib(device.gradients)}, "
-        f"optimizer slots {_gib(device.optimizer_slots)}; the device has "
-        f"{_gib(device.memory)}.",
+        f"optimizer slots {_gib(device.optimizer_slots)}; {_memory_of(device)}.",
         "Largest per device:",
     ]
     for row in sorted(result.rows, key=lambda r: -r.bytes_per_device)[:5]:
@@ -95,7 +106,7 @@ def explain(model: Any, distribution: Any, name: str) -> str:
         first = other.devices[0]
         state = first.parameters + first.gradients + first.optimizer_slots
         verdict = (
-            "unknown"
+            "no memory limit to compare with"
             if first.memory is None
             else ("would hold it" if state <= first.memory else "too large")
         )

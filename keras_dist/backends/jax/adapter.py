@@ -465,6 +465,25 @@ class JaxAdapter(BackendAdapter):
     def deactivate(self, model: Any) -> None:
         self._undo_activation(model)
 
+    def wait_for_steps(self, model: Any) -> None:
+        """JAX dispatches steps asynchronously: a step that failed on a device
+        (out of memory, a host callback that raised) leaves errors in its
+        outputs, and nothing raises until someone reads them (with `verbose=0`
+        nobody does). Block on the state Keras last wrote back into the
+        model's variables: it depends on every step dispatched before."""
+        optimizer = getattr(model, "optimizer", None)
+        variables = [
+            *model.trainable_variables,
+            *model.non_trainable_variables,
+            *(optimizer.variables if optimizer is not None else ()),
+            *model.metrics_variables,
+        ]
+        values = [getattr(variable, "value", None) for variable in variables]
+        # A deleted value (donated to a step) holds nothing to wait on.
+        jax.block_until_ready(
+            [v for v in values if isinstance(v, jax.Array) and not v.is_deleted()]
+        )
+
     def take_process_zero_streams(self) -> None:
         """Every process takes process 0's NumPy and Python random generators,
         from which Keras shuffles (a collective)."""

@@ -33,6 +33,7 @@ import numpy as np
 
 from keras_dist.backends.jax import keras_internals as internals
 from keras_dist.backends.jax.offload import slot_layout
+from keras_dist.common import tpu_host
 from keras_dist.common.padding import MaskedBatch, padded_size
 from keras_dist.keras_compat.optimizers import is_state_slot, slot_owners
 
@@ -141,6 +142,10 @@ def topology_devices(platform: str, name: str, count: int, num_slices: int) -> l
         options["chips_per_host_bounds"] = tuple(
             min(size, host) for size, host in zip(grid, _HOST_CHIPS, strict=True)
         )
+    # On a host without a TPU, libtpu is told it is alone (it prints errors
+    # about the TPU VM it cannot find otherwise), for this call only.
+    quiet = tpu_host.topology_variables()
+    os.environ.update(quiet)
     try:
         description = topologies.get_topology_desc(
             topology_name=name, platform="tpu", **options
@@ -150,6 +155,9 @@ def topology_devices(platform: str, name: str, count: int, num_slices: int) -> l
             f"libtpu refused the topology {name!r}"
             f"{f' x {num_slices} slices' if num_slices > 1 else ''}: {error}"
         ) from error
+    finally:
+        for variable in quiet:
+            os.environ.pop(variable, None)
     return list(description.devices)
 
 
