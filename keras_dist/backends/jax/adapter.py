@@ -17,7 +17,7 @@ from jax.experimental import layout as jax_layout
 from jax.experimental import multihost_utils
 
 from keras_dist.backends.base import BackendAdapter
-from keras_dist.backends.jax import compiled_plan, remat
+from keras_dist.backends.jax import compiled_plan, input_adapter, remat
 from keras_dist.backends.jax import keras_internals as internals
 from keras_dist.backends.jax.input_adapter import (
     DistributedBatches,
@@ -314,6 +314,7 @@ class JaxAdapter(BackendAdapter):
         return each_new_slot(optimizer, made)
 
     def activate(self, model: Any, distribution: Any) -> None:
+        input_adapter.forget_last_batch()
         planned = _layouts_for(model, distribution)
         # Before anything moves: a failed move would leave the model half laid
         # out (its layout set, its value not), and even a plain `fit` broken.
@@ -425,6 +426,9 @@ class JaxAdapter(BackendAdapter):
         finally:
             self._undo_activation(model)
             keras.distribution.set_distribution(previous)
+
+    def last_batch_shapes(self) -> Any:
+        return input_adapter.last_batch_shapes()
 
     def deactivate(self, model: Any) -> None:
         self._undo_activation(model)
