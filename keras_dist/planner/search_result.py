@@ -159,7 +159,9 @@ class SearchResults:
     Iterate it, index it or `len()` it for the `SearchResult`s; print it
     for the ranked table. `best` is the first that fits (or, where the
     devices' memory is unknown, the first compiled); `not_tried` the
-    candidates the time budget left out.
+    candidates the time budget left out; `largest_batch` the largest global
+    batch the best fits (`planner.batch_search.LargestBatch`), when the
+    search was asked for it (`largest_batch=True`), else None.
     """
 
     def __init__(
@@ -180,6 +182,7 @@ class SearchResults:
         self.title = title
         self.notes = notes
         self.seconds = seconds
+        self.largest_batch: Any = None
 
     def __iter__(self) -> Iterator[SearchResult]:
         return iter(self.results)
