@@ -282,6 +282,29 @@ class BackendAdapter(abc.ABC):
         already the global one when this is called.
         """
 
+    def state_placement_problem(self, placement: Any) -> str | None:
+        """Why this backend cannot keep the optimizer's state as `placement`
+        (a `StatePlacement`: `offload=`, `optimizer_state_dtype=`) says, or
+        None when it can. Only JAX can."""
+        asked = [
+            f"{name}={value!r}"
+            for name, value in (
+                ("offload", placement.offload),
+                ("optimizer_state_dtype", placement.optimizer_state_dtype),
+            )
+            if value is not None
+        ]
+        why = {
+            "torch": " (keras_dist's PyTorch FSDP shards through DTensor, not "
+            "FSDP2's `fully_shard`, so FSDP2's `CPUOffloadPolicy` does not "
+            "apply, and DDP has no offload)",
+        }.get(self.name, "")
+        return (
+            f"{', '.join(asked)} is implemented on the JAX backend only, not on "
+            f"{self.name}{why}. Run with KERAS_BACKEND=jax, or leave "
+            "`offload` and `optimizer_state_dtype` at None."
+        )
+
     def call_starting(self, model: Any, name: str, distribution: Any) -> Any:
         """A context manager around a whole Keras call `name` (`"fit"`,
         `"evaluate"`, `"predict"`) on `model`, `distribution` being the one a

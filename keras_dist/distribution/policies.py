@@ -17,10 +17,12 @@ from keras_dist.distribution.layout_map import lora_axes, lora_base_path
 from keras_dist.distribution.mesh import (
     DeviceMesh,
     TensorLayout,
+    check_mesh,
     describe_mesh,
     validate_axes_in_mesh,
 )
 from keras_dist.distribution.mixed_precision import check_mixed_precision
+from keras_dist.distribution.placement import PlacesState, state_placement
 from keras_dist.distribution.remat import check_remat
 from keras_dist.keras_compat.data_adapters import (
     is_tf_dataset,
@@ -37,17 +39,7 @@ def same_mesh(first: Any, second: Any) -> bool:
     return first is second or describe_mesh(first) == describe_mesh(second)
 
 
-def _check_mesh(device_mesh: Any) -> Any:
-    if not isinstance(device_mesh, keras.distribution.DeviceMesh):
-        raise TypeError(
-            "`device_mesh` must be a DeviceMesh (keras_dist's or Keras'). "
-            f"Received: device_mesh={device_mesh!r} of type "
-            f"{type(device_mesh).__name__}"
-        )
-    return device_mesh
-
-
-class Distribution(KerasDistribution):
+class Distribution(PlacesState, KerasDistribution):
     """Base class of the policies: a mesh plus where data and variables go.
 
     Args:
@@ -70,6 +62,8 @@ class Distribution(KerasDistribution):
             a KerasHub backbone, is looked into: its blocks are the
             pieces). Training is unchanged. JAX and
             PyTorch (TensorFlow raises `NotImplementedError`).
+        offload, optimizer_state_dtype: keyword only; optimizer state in host
+            memory, in another dtype (see `PlacesState`; JAX only).
     """
 
     #: Capabilities the backend adapters read (they never ask for a type).
@@ -92,9 +86,14 @@ class Distribution(KerasDistribution):
         auto_shard_dataset: bool = True,
         *,
         remat: Any = None,
+        offload: Any = None,
+        optimizer_state_dtype: Any = None,
     ):
         self._remat = check_remat(remat)
-        self._device_mesh = _check_mesh(device_mesh)
+        self._state_placement = state_placement(
+            offload, optimizer_state_dtype, get_adapter().state_placement_problem
+        )
+        self._device_mesh = check_mesh(device_mesh)
         if batch_dim_name is None:
             batch_dim_name = device_mesh.axis_names[0]
         if batch_dim_name not in device_mesh.axis_names:
@@ -269,7 +268,7 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
             `tf.distribute` do by default (the moving statistics are still kept
             equal everywhere). On JAX the statistics are global either way, as
             in Keras' own `DataParallel`.
-        remat: keyword only; see `Distribution`.
+        remat, offload, optimizer_state_dtype: keyword only; see `Distribution`.
 
     With neither argument, every device of `list_devices()` is used.
 
@@ -288,6 +287,8 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
         *,
         sync_batch_norm: bool = True,
         remat: Any = None,
+        offload: Any = None,
+        optimizer_state_dtype: Any = None,
     ):
         if not isinstance(sync_batch_norm, bool):
             raise TypeError(
@@ -316,7 +317,7 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
                     "`devices` must name at least one device. Received: devices=[]"
                 )
             device_mesh = DeviceMesh((len(devices),), [DEFAULT_BATCH_DIM_NAME], devices)
-        _check_mesh(device_mesh)
+        check_mesh(device_mesh)
         if len(device_mesh.shape) != 1:
             job.warn_once(
                 f"DataParallel splits the batch along the first mesh axis "
@@ -327,7 +328,12 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
                 stacklevel=2,
             )
         super().__init__(
-            device_mesh, device_mesh.axis_names[0], auto_shard_dataset, remat=remat
+            device_mesh,
+            device_mesh.axis_names[0],
+            auto_shard_dataset,
+            remat=remat,
+            offload=offload,
+            optimizer_state_dtype=optimizer_state_dtype,
         )
 
     @property
@@ -351,7 +357,7 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
         batch_dim_name: the mesh axis that splits the batch. Defaults to the
             mesh's first axis.
         auto_shard_dataset: see `Distribution`.
-        remat: keyword only; see `Distribution`.
+        remat, offload, optimizer_state_dtype: keyword only; see `Distribution`.
         mixed_precision: keyword only. A `keras_dist.MixedPrecisionPolicy`
             (or its compute dtype, `"bfloat16"`): the float32 layers compute
             in that dtype for the calls under this distribution, their
@@ -378,6 +384,8 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
         *,
         remat: Any = None,
         mixed_precision: Any = None,
+        offload: Any = None,
+        optimizer_state_dtype: Any = None,
     ):
         self._mixed_precision = check_mixed_precision(mixed_precision)
         if layout_map is None:
@@ -399,7 +407,7 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
                 "ModelParallel needs a mesh: pass `device_mesh=` or build the "
                 "LayoutMap with one."
             )
-        _check_mesh(device_mesh)
+        check_mesh(device_mesh)
         if map_mesh is not None and not same_mesh(device_mesh, map_mesh):
             raise ValueError(
                 "`device_mesh` and `layout_map.device_mesh` differ; pass one of "
@@ -418,7 +426,14 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
                 ) from None
             layout = layout_map[key]
             validate_axes_in_mesh(layout.axes, device_mesh)
-        super().__init__(device_mesh, batch_dim_name, auto_shard_dataset, remat=remat)
+        super().__init__(
+            device_mesh,
+            batch_dim_name,
+            auto_shard_dataset,
+            remat=remat,
+            offload=offload,
+            optimizer_state_dtype=optimizer_state_dtype,
+        )
         self._layout_map = layout_map
         # A LoRA factor's kernel rank, by the kernel's path (`_lora_layout`).
         self._kernel_ranks: dict[str, int] = {}
@@ -532,8 +547,9 @@ class FSDP(ModelParallel):
             a tiny tensor costs more in latency than its memory is worth.
         layout_map: an optional `LayoutMap` for the other mesh axes.
         auto_shard_dataset: see `Distribution`.
-        remat: keyword only; see `Distribution` (activation checkpointing, for
-            models whose activations do not fit beside their shards).
+        remat, offload, optimizer_state_dtype: keyword only; see
+            `Distribution` (remat: activation checkpointing, for models whose
+            activations do not fit beside their shards).
         mixed_precision: keyword only; see `ModelParallel` (FSDP2's
             `MixedPrecisionPolicy`: weights gathered and computed in bfloat16,
             kept float32 in their shards).
@@ -576,6 +592,8 @@ class FSDP(ModelParallel):
         remat: Any = None,
         keep_optimizer_sharded: bool = True,
         mixed_precision: Any = None,
+        offload: Any = None,
+        optimizer_state_dtype: Any = None,
     ):
         if not isinstance(keep_optimizer_sharded, bool):
             raise TypeError(
@@ -607,7 +625,7 @@ class FSDP(ModelParallel):
                 devices = runtime.list_devices()
             devices = list(np.asarray(devices, dtype=object).reshape(-1))
             device_mesh = DeviceMesh((len(devices),), [axis], devices)
-        _check_mesh(device_mesh)
+        check_mesh(device_mesh)
         if axis not in device_mesh.axis_names:
             raise ValueError(
                 f"`axis` must be an axis of the mesh, one of "
@@ -627,6 +645,8 @@ class FSDP(ModelParallel):
             auto_shard_dataset,
             remat=remat,
             mixed_precision=mixed_precision,
+            offload=offload,
+            optimizer_state_dtype=optimizer_state_dtype,
         )
 
     @property

@@ -27,8 +27,9 @@ import jax
 import numpy as np
 
 from keras_dist.backends.jax import keras_internals as internals
+from keras_dist.backends.jax.offload import slot_layout
 from keras_dist.common.padding import MaskedBatch, padded_size
-from keras_dist.keras_compat.optimizers import slot_owners
+from keras_dist.keras_compat.optimizers import is_state_slot, slot_owners
 
 COLLECTIVES = (
     "all-gather",
@@ -207,13 +208,24 @@ def state_structs(model: Any, distribution: Any) -> tuple:
             sharding=_layout(distribution, owner if owner is not None else variable),
         )
 
+    def slot(variable: Any, owner: Any) -> Any:
+        if owner is None or not is_state_slot(variable):
+            return struct(variable, owner)
+        # Where `offload=` keeps it, in its `optimizer_state_dtype=`.
+        layout = slot_layout(placement, _layout(distribution, owner))
+        dtype = variable.dtype
+        if placement is not None:
+            dtype = placement.slot_dtype(owner.dtype)
+        return jax.ShapeDtypeStruct(tuple(variable.shape), dtype, sharding=layout)
+
+    placement = getattr(distribution, "state_placement", None)
     optimizer = getattr(model, "optimizer", None)
     optimizer_variables = list(optimizer.variables) if optimizer is not None else []
     owners = slot_owners(optimizer, model.trainable_variables) if optimizer else {}
     return (
         [struct(v) for v in model.trainable_variables],
         [struct(v) for v in model.non_trainable_variables],
-        [struct(v, owners.get(id(v))) for v in optimizer_variables],
+        [slot(v, owners.get(id(v))) for v in optimizer_variables],
         [struct(v) for v in model.metrics_variables],
     )
 
