@@ -33,15 +33,24 @@ from typing import Any
 import keras
 
 from keras_dist.distribution.policies import FSDP, DataParallel
-from keras_dist.distribution.remat import check_remat
+from keras_dist.distribution.remat import REMAT_POLICIES, check_remat
 from keras_dist.keras_compat.layers import layers_of
 from keras_dist.planner.paper_mesh import check_mesh
 from keras_dist.planner.swapped import model_width
 
 POLICIES = ("data_parallel", "fsdp", "fsdp_tp")
-#: `Candidate.remat`: off, Keras' modes, or "blocks" (each transformer block
-#: of a KerasHub model, `keras.RematScope(mode="list_of_layers")`).
-REMAT = (None, "full", "activations", "larger_than", "blocks", "dots", "offload")
+#: `Candidate.remat`: off, Keras' modes, "blocks" (each transformer block of
+#: a KerasHub model, `keras.RematScope(mode="list_of_layers")`), or a named
+#: policy of `keras_dist.distribution.remat.REMAT_POLICIES` ("dots",
+#: "offload": the pieces of "full", each keeping what the policy names).
+REMAT = (
+    None,
+    "full",
+    "activations",
+    "larger_than",
+    "blocks",
+    *(name for name in REMAT_POLICIES if name != "full"),
+)
 #: `Candidate.offload` and `Candidate.optimizer_state_dtype`'s values.
 OFFLOAD = (None, "optimizer")
 STATE_DTYPES = (None, "bfloat16")
@@ -67,7 +76,8 @@ class Candidate:
         remat: None (off), a Keras remat mode (`"full"`, `"activations"`,
             `"larger_than"`), `"blocks"`: each transformer block of a
             KerasHub model (its backbone's `transformer_layers`) recomputed,
-            or a named policy (`"dots"`, `"offload"`) where keras_dist has it.
+            or a named policy, `"dots"` or `"offload"` (the distribution's
+            `remat=`).
         offload: None or `"optimizer"`: the optimizer's state in the host's
             memory (the distribution's `offload=`).
         optimizer_state_dtype: None (the variables' dtype) or `"bfloat16"`
