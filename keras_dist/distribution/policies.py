@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -136,13 +135,6 @@ class Distribution(PlacesState, KerasDistribution):
         """The `keras.RematScope` whose mode layers are recomputed with in
         backward, or None (see `remat=`)."""
         return self._remat
-
-    def with_remat(self, remat: Any) -> Distribution:
-        """A copy of this distribution (same mesh, layouts and settings)
-        recomputing with `remat` (as `remat=` takes it)."""
-        twin = copy.copy(self)
-        twin._remat = check_remat(remat)
-        return twin
 
     @property
     def mixed_precision(self) -> Any:

@@ -58,7 +58,13 @@ def _size(number: str, unit: str) -> int:
 
 
 def gib(count: int | None) -> str:
-    return "not known" if count is None else f"{count / 2**30:.2f} GiB"
+    """`count` bytes in GiB, MiB or KiB, whichever reads best."""
+    if count is None:
+        return "not known"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(count) >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count / 2**10:.1f} KiB"
 
 
 def shortfall_in(text: str) -> tuple[int | None, int | None]:
@@ -175,7 +181,7 @@ def _candidates(distribution: Any, devices: list) -> list[tuple[str, Callable]]:
             )
         )
     if distribution.remat is None:
-        made.append(('remat="full"', lambda: distribution.with_remat("full")))
+        made.append(('remat="full"', lambda: distribution.with_options(remat="full")))
     savers = (("offload", "optimizer"), ("optimizer_state_dtype", "bfloat16"))
     for name, value in savers:
         if _takes(distribution, name) and getattr(distribution, name, None) is None:

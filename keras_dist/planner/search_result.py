@@ -274,7 +274,7 @@ def _row(result: SearchResult) -> list[str]:
         str(result.rank) if result.rank is not None else "-",
         candidate.label,
         candidate.mesh_text,
-        candidate.remat or "off",
+        candidate.description.split(", remat ", 1)[1],
         _fits_text(result),
         _bytes(result.peak_bytes),
         "-" if step is None else f"{step * 1e3:.3g} ms",
