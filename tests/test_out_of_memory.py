@@ -69,7 +69,8 @@ def test_an_out_of_memory_error_names_the_largest_variables_and_what_would_fit()
     if BACKEND == "jax":
         # Compiled again for these devices: the layer raises there too, and
         # the allocation XLA's words name is what was needed at least.
-        assert "XLA needs 4.00 GiB a device" in message, message
+        assert "could not allocate a buffer of 4.00 GiB" in message, message
+        assert "XLA needs 4.00 GiB a device for the whole step" in message
         assert "kd.FSDP() on the same devices" in message
         assert 'remat="full"' in message
     else:
@@ -102,7 +103,7 @@ def test_the_failed_step_is_compiled_for_its_devices_with_xlas_figures():
     message = str(raised.value)
     assert "at a global batch of 64" in message
     # CPU devices report no limit, and the engine's words name none.
-    assert "The devices' limit could not be read" in message, message
+    assert "the devices' limit could not be read" in message, message
     assert "XLA's memory analysis of the train step" in message
     assert "temporaries" in message and "wide/kernel" in message
     assert "batch 32 (half): XLA needs" in message

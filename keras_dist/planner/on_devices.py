@@ -303,22 +303,28 @@ def _shortfall_line(
             f"The engine said: {gib(said_needed)} needed, {gib(said_available)} "
             f"available ({gib(said_needed - said_available)} short)."
         )
-    if needed is not None and limit is not None:
-        return (
-            f"XLA needs {gib(needed)} a device; the devices allow {gib(limit)} "
-            f"({gib(needed - limit)} short)."
-        )
+    parts = []
+    if said_needed is not None:
+        parts.append(f"The engine could not allocate a buffer of {gib(said_needed)}")
     if needed is not None:
-        return (
-            f"XLA needs {gib(needed)} a device for this step. The devices' limit "
-            "could not be read (the engine reports none for them, as for CPU "
-            "devices, and its error names none)."
+        parts.append(f"XLA needs {gib(needed)} a device for the whole step")
+    else:
+        parts.append(
+            "XLA refused to compile the step again without saying how much it needed"
         )
-    return (
-        "Neither what the step needs nor the devices' limit could be read: XLA "
-        "refused to compile the step without saying how much it needed, and "
-        "the engine reports no limit for these devices."
-    )
+    if limit is not None:
+        if needed is not None:
+            parts.append(
+                f"the devices allow {gib(limit)} ({gib(needed - limit)} short)"
+            )
+        else:
+            parts.append(f"the devices allow {gib(limit)}")
+    else:
+        parts.append(
+            "the devices' limit could not be read (the engine reports none for "
+            "them, as for CPU devices, and its error names none)"
+        )
+    return "; ".join(parts) + "."
 
 
 def _largest_lines(model: Any, distribution: Any) -> list[str]:
