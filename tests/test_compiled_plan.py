@@ -541,6 +541,25 @@ def test_an_offloaded_plan_reports_host_bytes_and_traffic():
 
 
 @jax_only
+@needs_libtpu
+def test_tpu_offloaded_plan_reports_host_bytes_and_the_host_term():
+    def offloaded(mesh):
+        return kd.DataParallel(mesh, offload="optimizer")
+
+    result = kd.plan(mlp(), offloaded, topology="v5e:1x1", batch_size=64)
+    train = result.compiled.steps["train"]
+    moments = 2 * 4 * _parameters()  # Adam's two, float32, one chip
+    assert train.host_argument_bytes >= moments
+    assert result.compiled.host_peak_bytes >= moments
+    assert train.host_to_device_bytes >= moments
+    assert train.device_to_host_bytes >= moments
+    host = train.seconds["host"]
+    assert host == pytest.approx(train.host_to_device_bytes / 15e9)
+    assert train.step_seconds >= host > 0
+    assert "host traffic" in str(result)
+
+
+@jax_only
 def test_a_libtpu_of_another_version_is_named_with_the_pin(monkeypatch):
     from keras_dist.backends.jax import compiled_plan  # noqa: PLC0415
 

@@ -585,7 +585,7 @@ def plan_search(
         f"Plan search: {made.name} on {parsed.name} ({devices} x "
         f"{topology_mesh.device_kind}"
         + (f", {parsed.num_slices} slices" if parsed.num_slices > 1 else "")
-        + f"), global batch {batch_size}; {len(order)} candidates in "
+        + f"), global batch {batch_size}; {len(search.results)} candidates in "
         f"{time.monotonic() - began:.0f} s, {workers} process(es)"
     )
     if job.memory is None:
