@@ -74,9 +74,9 @@ _KINDS: tuple[DeviceKind, ...] = (
     # pod; v5p: 50 Gbps a chip). None where the page gives no figure. Host
     # bandwidth (PCIe, one way, a chip): Google's "How to Scale Your Model"
     # (jax-ml.github.io/scaling-book, "How to Think About TPUs") works with
-    # 1.5e10 bytes/s; Cloud's pages give none. On a v5e chip keras_dist measured
-    # 14 GB/s for a lone `jax.device_put` to the chip and about 24 GB/s both ways
-    # together in an offloaded Adam step (JAX 0.10.2).
+    # 1.5e10 bytes/s; Cloud's pages give none. On a v5e chip a step moving
+    # 512 MiB each way took 59.2 ms, 9.1 GB/s each way at once (JAX 0.10.2,
+    # benchmarks/host_transfer_check.py).
     DeviceKind(r"^tpu v4$", 275e12, 275e12, 32 * _GIB, 1200 * _GB),
     DeviceKind(
         r"^tpu v5 lite$|^tpu v5e$",
