@@ -223,6 +223,12 @@ class BackendAdapter(abc.ABC):
         None by default."""
         return False
 
+    def joined_on_its_own(self) -> tuple[int, int] | None:
+        """`(process count, rank)` of the job the backend joined without
+        keras_dist (the script called `jax.distributed.initialize()` before
+        `initialize()`), or None (the default). Never starts the backend."""
+        return None
+
     def join_detected_cluster(self, *, timeout_seconds: float) -> bool:
         """Join the job the backend's own cluster detection finds, if any.
 

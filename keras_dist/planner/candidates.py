@@ -32,11 +32,14 @@ from typing import Any
 
 import keras
 
+# The module itself: `from keras_dist import layouts` would ask the package's
+# public API, which may be loading this module.
+import keras_dist.layouts as layouts
 from keras_dist.distribution.policies import FSDP, DataParallel
 from keras_dist.distribution.remat import REMAT_POLICIES, check_remat
+from keras_dist.distribution.swapped_axes import model_width
 from keras_dist.keras_compat.layers import layers_of
 from keras_dist.planner.paper_mesh import check_mesh
-from keras_dist.planner.swapped import model_width
 
 POLICIES = ("data_parallel", "fsdp", "fsdp_tp")
 #: `Candidate.remat`: off, Keras' modes, "blocks" (each transformer block of
@@ -236,11 +239,6 @@ def keras_hub_backbone(model: Any) -> Any:
 def tensor_parallel_map(model: Any, mesh: Any) -> Any:
     """KerasHub's own layout map for a KerasHub model, else Megatron-style
     tensor parallelism of its Dense, attention and embedding layers."""
-    # An upward import (tests/test_package_rules.py UPWARD_ALLOWED): the
-    # layout presets sit above the planner because they read its
-    # swapped-axes rule; the search composes them into its candidates.
-    from keras_dist import layouts  # noqa: PLC0415
-
     backbone = keras_hub_backbone(model)
     if backbone is not None:
         return layouts.for_keras_hub(

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 
 from keras_dist.backends import get_adapter
+from keras_dist.distribution.swapped_axes import model_width, swapped_dimensions
 from keras_dist.keras_compat.distribution import KerasDistribution
 from keras_dist.planner.compiled import STEP_KINDS, plan_on_topology
 from keras_dist.planner.model import (
@@ -28,7 +29,6 @@ from keras_dist.planner.model import (
 from keras_dist.planner.paper_mesh import check_mesh, distribution_on_mesh
 from keras_dist.planner.result import DeviceTotals, Plan, Problem, VariableRow
 from keras_dist.planner.slots import Slot, optimizer_slots
-from keras_dist.planner.swapped import model_width, swapped_dimensions
 from keras_dist.runtime import api as runtime
 
 __all__ = ["DeviceTotals", "Plan", "Problem", "VariableRow", "plan"]

@@ -176,6 +176,11 @@ class JaxAdapter(BackendAdapter):
                 f"s: {error}"
             ) from error
 
+    def joined_on_its_own(self) -> tuple[int, int] | None:
+        if not jax.distributed.is_initialized():
+            return None
+        return jax.process_count(), jax.process_index()
+
     def join_detected_cluster(self, *, timeout_seconds: float) -> bool:
         """`jax.distributed.initialize()` without arguments, as Keras calls it:
         JAX's own detection (Cloud TPU, GKE, Open MPI, `JAX_COORDINATOR_*`...)
