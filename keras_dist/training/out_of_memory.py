@@ -95,8 +95,12 @@ def static_explanation(model: Any, distribution: Any, name: str) -> str:
         f"XLA temporary, from shapes only (keras_dist's static plan): parameters "
         f"{_gib(device.parameters)}, gradients at most {_gib(device.gradients)} "
         f"(an engine that updates layer by layer holds fewer at once), "
-        f"optimizer slots {_gib(device.optimizer_slots)}; the device has "
-        f"{_gib(device.memory)}.",
+        f"optimizer slots {_gib(device.optimizer_slots)}; "
+        + (
+            "the device's memory could not be read."
+            if device.memory is None
+            else f"the device has {_gib(device.memory)}."
+        ),
         "Largest per device:",
     ]
     for row in sorted(result.rows, key=lambda r: -r.bytes_per_device)[:5]:
