@@ -76,8 +76,12 @@ def test_an_out_of_memory_error_names_the_largest_variables_and_what_would_fit()
     else:
         assert "From shapes only" in message
         assert "gradients at most" in message and "optimizer slots" in message
-        for candidate in ("kd.DataParallel()", "kd.FSDP()"):
-            assert candidate in message
+        if np.asarray(distribution.device_mesh.devices).size > 1:
+            for candidate in ("kd.DataParallel()", "kd.FSDP()"):
+                assert candidate in message
+        else:  # FSDP cannot help one device: never offered there
+            assert "One device: FSDP cannot split anything on it" in message
+            assert "kd.FSDP()" not in message
     assert "keras_dist.plan_search" in message
     assert OOM in message and isinstance(raised.value.__cause__, RuntimeError)
     # The run ended with the call: the model trains again afterwards.
@@ -198,3 +202,12 @@ def test_a_failed_compile_falls_back_to_the_static_plan(monkeypatch):
 )
 def test_the_engines_words_give_the_shortfall(text, needed, available):
     assert on_devices.shortfall_in(text) == (needed, available)
+
+
+@pytest.mark.backend_neutral
+def test_the_static_account_says_how_many_devices_fsdp_would_need():
+    from keras_dist.training import out_of_memory  # noqa: PLC0415
+
+    said = out_of_memory._more_devices(state=5 * 2**30, memory=2**30)
+    assert "it would need at least 8 devices to hold this state" in said
+    assert "could not be said" in out_of_memory._more_devices(2**30, None)
