@@ -1,10 +1,11 @@
-"""Activation checkpointing (`remat="full"`): memory saved and step time paid.
+"""Activation checkpointing (`remat=`): memory saved and step time paid.
 
 Trains a deep residual MLP (`--blocks` blocks of `Dense(4 * width, gelu)` then
 `Dense(width)` plus the block's input, a transformer's feed-forward half; Adam,
 batch `--batch`) for a few steps under `kd.DataParallel()` or `kd.FSDP()`, with
-and without `remat="full"` (each block recomputed in the backward pass, only
-its input kept), and prints one JSON line per run. `--model gemma` trains a
+and without `remat=` (`--remat full`: each block recomputed in the backward
+pass, only its input kept; `dots`: its matrix products kept too; `offload`:
+those kept in host memory), and prints one JSON line per run. `--model gemma` trains a
 KerasHub Gemma decoder from its config instead (`--blocks` blocks of width
 `--width`, `--sequence` tokens, random weights; each block has its
 `Dropout(0.0)`s):
@@ -27,17 +28,23 @@ KerasHub Gemma decoder from its config instead (`--blocks` blocks of width
   compiled loss-and-gradient of one batch on one device (its memory analysis:
   exact, where the resident memory of XLA's CPU runtime hardly moves), with
   the layers' modes that remat gives them (what `fit` applies).
+- `saved_device_bytes`, `saved_host_bytes` (JAX): what the loss-and-gradient
+  of one batch keeps from the forward pass for the backward one (the
+  residuals of `jax.vjp`, exact), on the device and in host memory.
 - `step_ms`: the median step time (after `--skip-steps`), for the cost.
 
-`--compare` runs each policy without and with remat in its own process (on
-PyTorch with `--processes N`, its own job of N processes under `keras-dist
-launch`; the figures are then the largest of any process), `--repeats` times,
-interleaved, and prints the medians and spreads of the savings and the
-step-time ratio.
+`--compare` runs each policy without remat and with each of `--remats` in its
+own process (on PyTorch with `--processes N`, its own job of N processes under
+`keras-dist launch`; the figures are then the largest of any process),
+`--repeats` times, interleaved, and prints the medians and spreads of the
+savings and the step-time ratio, one line per policy and remat.
 
 ```shell
 KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 PYTHONPATH=. \
     python benchmarks/remat_memory.py --compare --policies dp fsdp
+# the named policies
+KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 PYTHONPATH=. \
+    python benchmarks/remat_memory.py --compare --remats full dots offload
 # a decoder on an accelerator (the TPU v5e chip): its peak memory
 KERAS_BACKEND=jax PYTHONPATH=. python benchmarks/remat_memory.py --compare \
     --model gemma --blocks 8 --width 1024 --sequence 1024 --batch 8 --repeats 1
@@ -52,9 +59,11 @@ from __future__ import annotations
 import keras_dist as kd  # isort: skip  (applies KERAS_DIST_CPU_DEVICES first)
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+from collections.abc import Iterator
 
 import keras
 import numpy as np
@@ -150,53 +159,76 @@ def device_peak_bytes() -> int | None:
     return stats["peak_bytes_in_use"] + stats.get("peak_bytes_reserved", 0)
 
 
-def xla_temp_bytes(model: keras.Model, x: np.ndarray, y: np.ndarray, remat) -> int:
-    """XLA's temporary bytes for the loss and gradients of `x`, `y` on one
-    device, the layers recomputing as `remat` (a mode name or None) says."""
-    import jax
-
+@contextlib.contextmanager
+def recomputing(model: keras.Model, remat: str | None) -> Iterator[None]:
+    """`model`'s layers recomputing as fit under keras_dist on JAX has them
+    recompute with `remat` (a name or None)."""
     from keras_dist.backends.jax.remat import checkpoint
     from keras_dist.distribution.layer_settings import apply_layer_settings
     from keras_dist.keras_compat.layers import layers_of
     from keras_dist.keras_compat.remat import recompute_whole_calls
 
-    # What fit under keras_dist applies on JAX: the layers' modes, and
-    # recomputed calls whose Python arguments stay static (Dropout's
-    # `training`) and whose state updates leave the checkpoint as values.
+    # The layers' modes and policies, and recomputed calls whose Python
+    # arguments stay static (Dropout's `training`) and whose state updates
+    # leave the checkpoint as values.
     undo_modes = apply_layer_settings(
         model, kd.DataParallel(remat=remat), warn=False, recomputes_state=True
     )
     undo_calls = recompute_whole_calls(layers_of(model), checkpoint)
-
-    def undo() -> None:
+    try:
+        yield
+    finally:
         undo_calls()
         undo_modes()
 
-    try:
-        trainable = [v.value for v in model.trainable_variables]
-        non_trainable = [v.value for v in model.non_trainable_variables]
-        metrics = [v.value for v in model.metrics_variables]
-        optimizer = [v.value for v in model.optimizer.variables]
 
-        def loss(trainable, non_trainable, x, y):
-            value, _ = model.compute_loss_and_updates(
-                trainable,
-                non_trainable,
-                metrics,
-                x,
-                y,
-                None,
-                training=True,
-                optimizer_variables=optimizer,
-            )
-            return value
+def _loss_and_arguments(model: keras.Model, x, y) -> tuple:
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    metrics = [v.value for v in model.metrics_variables]
+    optimizer = [v.value for v in model.optimizer.variables]
 
-        compiled = (
-            jax.jit(jax.grad(loss)).lower(trainable, non_trainable, x, y).compile()
+    def loss(trainable, non_trainable, x, y):
+        value, _ = model.compute_loss_and_updates(
+            trainable,
+            non_trainable,
+            metrics,
+            x,
+            y,
+            None,
+            training=True,
+            optimizer_variables=optimizer,
         )
+        return value
+
+    return loss, (trainable, non_trainable, x, y)
+
+
+def xla_temp_bytes(model: keras.Model, x, y, remat) -> int:
+    """XLA's temporary bytes for the loss and gradients of `x`, `y` on one
+    device, the layers recomputing as `remat` (a name or None) says."""
+    import jax
+
+    with recomputing(model, remat):
+        loss, arguments = _loss_and_arguments(model, x, y)
+        compiled = jax.jit(jax.grad(loss)).lower(*arguments).compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)
-    finally:
-        undo()
+
+
+def saved_bytes(model: keras.Model, x, y, remat) -> dict[str, int]:
+    """The bytes the loss-and-gradient of `x`, `y` keeps from its forward pass
+    for its backward one (the residuals of `jax.vjp`), by memory space
+    (`"device"`, `"host"`), the layers recomputing as `remat` says."""
+    import jax
+
+    with recomputing(model, remat):
+        loss, arguments = _loss_and_arguments(model, x, y)
+        kept = jax.make_jaxpr(lambda *a: jax.vjp(loss, *a)[1])(*arguments)
+    saved = {"device": 0, "host": 0}
+    for aval in kept.out_avals:
+        space = str(aval.memory_space).rsplit(".", 1)[-1].lower()
+        saved[space] = saved.get(space, 0) + aval.size * aval.dtype.itemsize
+    return saved
 
 
 def run_once(args: argparse.Namespace) -> dict:
@@ -212,7 +244,7 @@ def run_once(args: argparse.Namespace) -> dict:
     host = keras.backend.backend() != "jax" or _on_cpu()
     before = resident_bytes() if host else 0
     allocated_before = allocated_bytes()
-    remat = "full" if args.remat else None
+    remat = None if args.remat == "none" else args.remat
     distribution = (
         kd.FSDP(min_size=1024, remat=remat)
         if args.policy == "fsdp"
@@ -230,14 +262,18 @@ def run_once(args: argparse.Namespace) -> dict:
         callbacks=[kd.DistributeCallback(distribution), timer, *[peak] * host],
     )
     temp = device_peak = None
+    saved = {"device": None, "host": None}
     if keras.backend.backend() == "jax":
         device_peak = device_peak_bytes()  # before the analysis compiles more
         first = keras.tree.map_structure(lambda a: a[: args.batch], (x, y))
         temp = xla_temp_bytes(model, *first, remat)
+        saved = saved_bytes(model, *first, remat)
     return {
         "model": args.model,
         "device_peak_bytes": device_peak,
         "xla_temp_bytes": temp,
+        "saved_device_bytes": saved["device"],
+        "saved_host_bytes": saved["host"],
         "backend": keras.backend.backend(),
         "devices": len(kd.list_devices()),
         "processes": kd.num_processes(),
@@ -253,12 +289,12 @@ def run_once(args: argparse.Namespace) -> dict:
 
 
 def compare(args: argparse.Namespace) -> None:
-    """Every policy without and with remat, each run in its own process,
-    interleaved `--repeats` times; the medians and spreads."""
-    runs: dict[tuple[str, bool], list[dict]] = {}
+    """Every policy without remat and with each of `--remats`, each run in its
+    own process, interleaved `--repeats` times; the medians and spreads."""
+    runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeats):
         for policy in args.policies:
-            for remat in (False, True):
+            for remat in ("none", *args.remats):
                 arguments = ["--policy", policy, "--blocks", str(args.blocks)]
                 arguments += ["--model", args.model]
                 arguments += ["--sequence", str(args.sequence)]
@@ -266,7 +302,7 @@ def compare(args: argparse.Namespace) -> None:
                 arguments += ["--width", str(args.width), "--batch", str(args.batch)]
                 arguments += ["--steps", str(args.steps)]
                 arguments += ["--skip-steps", str(args.skip_steps)]
-                arguments += ["--remat"] if remat else []
+                arguments += ["--remat", remat]
                 env = dict(os.environ)
                 if args.processes > 1:
                     # Each process on its own core; every process prints.
@@ -287,39 +323,57 @@ def compare(args: argparse.Namespace) -> None:
                 )
     mib = 2**20
     for policy in args.policies:
-        plain, remat = runs[(policy, False)], runs[(policy, True)]
-        key = next(
-            k
-            for k in ("device_peak_bytes", "backward_start_bytes", "xla_temp_bytes")
-            if plain[0].get(k) is not None
-        )
-        saved = [(a[key] - b[key]) / mib for a, b in zip(plain, remat, strict=True)]
-        ratio = [b["step_ms"] / a["step_ms"] for a, b in zip(plain, remat, strict=True)]
-        print(
-            json.dumps(
-                {
-                    "backend": plain[0]["backend"],
-                    "model": args.model,
-                    "devices": plain[0]["devices"],
-                    "policy": policy,
-                    "params": plain[0]["params"],
-                    "measure": key,
-                    "without_remat_mib": statistics.median(r[key] / mib for r in plain),
-                    "with_remat_mib": statistics.median(r[key] / mib for r in remat),
-                    "saved_mib_median": statistics.median(saved),
-                    "saved_mib_range": [min(saved), max(saved)],
-                    "step_time_ratio_median": statistics.median(ratio),
-                    "step_time_ratio_range": [min(ratio), max(ratio)],
-                    "step_ms_without": statistics.median(r["step_ms"] for r in plain),
-                    "xla_temp_mib_without": _median_mib(plain, "xla_temp_bytes"),
-                    "xla_temp_mib_with": _median_mib(remat, "xla_temp_bytes"),
-                    "step_peak_mib_without": _median_mib(plain, "step_peak_bytes"),
-                    "step_peak_mib_with": _median_mib(remat, "step_peak_bytes"),
-                    "processes": args.processes,
-                    "runs": args.repeats,
-                }
+        plain = runs[(policy, "none")]
+        for name in args.remats:
+            remat = runs[(policy, name)]
+            key = next(
+                k
+                for k in ("device_peak_bytes", "backward_start_bytes", "xla_temp_bytes")
+                if plain[0].get(k) is not None
             )
-        )
+            saved = [(a[key] - b[key]) / mib for a, b in zip(plain, remat, strict=True)]
+            ratio = [
+                b["step_ms"] / a["step_ms"] for a, b in zip(plain, remat, strict=True)
+            ]
+            print(
+                json.dumps(
+                    {
+                        "backend": plain[0]["backend"],
+                        "model": args.model,
+                        "devices": plain[0]["devices"],
+                        "policy": policy,
+                        "remat": name,
+                        "params": plain[0]["params"],
+                        "measure": key,
+                        "without_remat_mib": statistics.median(
+                            r[key] / mib for r in plain
+                        ),
+                        "with_remat_mib": statistics.median(
+                            r[key] / mib for r in remat
+                        ),
+                        "saved_mib_median": statistics.median(saved),
+                        "saved_mib_range": [min(saved), max(saved)],
+                        "step_time_ratio_median": statistics.median(ratio),
+                        "step_time_ratio_range": [min(ratio), max(ratio)],
+                        "step_ms_without": statistics.median(
+                            r["step_ms"] for r in plain
+                        ),
+                        "xla_temp_mib_without": _median_mib(plain, "xla_temp_bytes"),
+                        "xla_temp_mib_with": _median_mib(remat, "xla_temp_bytes"),
+                        "saved_device_mib_without": _median_mib(
+                            plain, "saved_device_bytes"
+                        ),
+                        "saved_device_mib_with": _median_mib(
+                            remat, "saved_device_bytes"
+                        ),
+                        "saved_host_mib_with": _median_mib(remat, "saved_host_bytes"),
+                        "step_peak_mib_without": _median_mib(plain, "step_peak_bytes"),
+                        "step_peak_mib_with": _median_mib(remat, "step_peak_bytes"),
+                        "processes": args.processes,
+                        "runs": args.repeats,
+                    }
+                )
+            )
 
 
 def _median_mib(runs: list[dict], key: str) -> float | None:
@@ -331,7 +385,9 @@ def _median_mib(runs: list[dict], key: str) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", choices=("dp", "fsdp"), default="dp")
-    parser.add_argument("--remat", action="store_true")
+    parser.add_argument(
+        "--remat", choices=("none", "full", "dots", "offload"), default="none"
+    )
     parser.add_argument("--model", choices=("mlp", "gemma"), default="mlp")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--sequence", type=int, default=512, help="gemma only")
@@ -342,6 +398,13 @@ def main() -> None:
     parser.add_argument("--skip-steps", type=int, default=2)
     parser.add_argument("--compare", action="store_true")
     parser.add_argument("--policies", nargs="+", default=["dp"])
+    parser.add_argument(
+        "--remats",
+        nargs="+",
+        choices=("full", "dots", "offload"),
+        default=["full"],
+        help="with --compare: the remat settings each compared with none",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--processes",

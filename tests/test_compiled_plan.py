@@ -352,7 +352,20 @@ def test_tpu_topology_plan_reads_xla_memory_flops_and_collectives():
     assert plain_train.flops == pytest.approx(6 * _parameters() * batch / 4, rel=0.15)
     assert plain_train.collective_bytes["all-reduce"] >= 4 * _parameters()
     assert plain_train.step_seconds > 0 and 0 < plain_train.mfu <= 1
-    assert set(plain_train.seconds) == {"compute", "memory", "interconnect", "network"}
+    assert set(plain_train.seconds) == {
+        "compute",
+        "memory",
+        "host",
+        "interconnect",
+        "network",
+    }
+    # Nothing offloaded: no host bytes, no host time; the memory term counts
+    # the arguments read and the outputs written, less than XLA's unfused
+    # bytes accessed.
+    assert plain_train.host_peak_bytes == 0 and plain_train.seconds["host"] == 0
+    assert plain_train.host_to_device_bytes == plain_train.device_to_host_bytes == 0
+    assert plain_train.device_traffic_bytes >= plain_train.argument_bytes
+    assert plain_train.device_traffic_bytes < plain_train.bytes_accessed
 
 
 @jax_only
@@ -604,6 +617,128 @@ def test_keras_traces_the_step_as_on_the_topologys_platform():
     )
     if error:
         assert four.fits is not True and "XLA refused the train step" in str(four)
+
+
+# -- host memory and the roofline -------------------------------------------------
+def _offloaded_step(devices: list):
+    """A step whose moment lives in pinned_host: brought in, updated, sent
+    back (as `offload="optimizer"` does for each variable)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    device = jax.sharding.SingleDeviceSharding(devices[0], memory_kind="device")
+    host = jax.sharding.SingleDeviceSharding(devices[0], memory_kind="pinned_host")
+
+    def step(weight, moment):
+        moment = jax.device_put(moment, device) * 0.9 + 0.1
+        return weight - moment, jax.device_put(moment, host)
+
+    arguments = (
+        jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=device),
+        jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=host),
+    )
+    jitted = jax.jit(step, out_shardings=(device, host), donate_argnums=(0, 1))
+    return jitted.lower(*arguments).compile()
+
+
+@jax_only
+def test_host_transfers_are_read_from_the_compiled_program():
+    import jax  # noqa: PLC0415
+
+    from keras_dist.backends.jax import compiled_plan  # noqa: PLC0415
+
+    # CPU: XLA writes the memory spaces on the signature alone: the moment is
+    # read once and written once.
+    compiled = _offloaded_step(jax.devices("cpu"))
+    moment = 256 * 256 * 4
+    assert compiled_plan.host_transfers(compiled.as_text()) == (moment, moment)
+    plain = jax.jit(lambda x: x * 2).lower(np.ones(8, "float32")).compile()
+    assert compiled_plan.host_transfers(plain.as_text()) == (0, 0)
+    # An output that is its argument unchanged is written by nobody.
+    text = (
+        "ENTRY %main (a: f32[4], b: f32[8]) -> (f32[4], f32[8]) {\n"
+        "  %a = f32[4]{0} parameter(0)\n"
+        "  %b = f32[8]{0} parameter(1)\n"
+        "  %c = f32[4]{0} add(%a, %a)\n"
+        "  ROOT %t = (f32[4]{0}, f32[8]{0}) tuple(%c, %b)\n"
+        "}\n"
+    )
+    assert compiled_plan.passed_through_bytes(text) == 32
+
+
+@jax_only
+@needs_libtpu
+def test_tpu_host_transfers_are_each_copy_between_the_memories():
+    from keras_dist.backends.jax import compiled_plan  # noqa: PLC0415
+
+    devices = compiled_plan.topology_devices("tpu", "v5e:1x1", 1, 1)
+    compiled = _offloaded_step(devices)
+    moment = 256 * 256 * 4
+    assert compiled_plan.host_transfers(compiled.as_text()) == (moment, moment)
+    memory = compiled.memory_analysis()
+    assert memory.host_argument_size_in_bytes == moment
+
+
+@pytest.mark.backend_neutral
+def test_the_roofline_is_a_lower_bound_with_a_host_term():
+    from keras_dist.common.accelerators import kind_of  # noqa: PLC0415
+    from keras_dist.planner.compiled import _projected  # noqa: PLC0415
+
+    v5e = kind_of("TPU v5 lite")
+    figures = {
+        "kind": "train",
+        "compile_seconds": 1.0,
+        "flops": 197e9,  # 1 ms at the bf16 peak
+        "bytes_accessed": 8.19e9,  # unfused: 10 ms, not a bound
+        "device_traffic_bytes": int(1.638e9),  # 2 ms
+        "host_to_device_bytes": int(45e6),  # 3 ms at 15 GB/s
+        "device_to_host_bytes": int(30e6),  # overlaps the other way
+        "collective_bytes": {},
+    }
+    step = _projected(figures, v5e, "bfloat16", 1)
+    assert step.seconds["compute"] == pytest.approx(1e-3)
+    assert step.seconds["memory"] == pytest.approx(2e-3)
+    assert step.seconds["host"] == pytest.approx(3e-3)
+    assert step.step_seconds == pytest.approx(3e-3)
+    assert step.mfu == pytest.approx(1 / 3)
+    # A chip without a host bandwidth in the table: the term is not known.
+    v4 = kind_of("TPU v4")
+    assert _projected(figures, v4, "bfloat16", 1).seconds["host"] is None
+
+
+@jax_only
+def test_an_offloaded_plan_reports_host_bytes_and_traffic():
+    def offloaded(mesh):
+        return kd.FSDP(mesh, offload="optimizer")
+
+    result = kd.plan(mlp(), offloaded, topology="cpu:8", batch_size=64)
+    plain = kd.plan(mlp(), kd.FSDP, topology="cpu:8", batch_size=64)
+    moments = 2 * 4 * _parameters() / 8  # Adam's two, an eighth a device
+    compiled = result.compiled
+    assert compiled.host_traffic_bytes >= 2 * moments * 0.95  # in and out
+    assert plain.compiled.host_traffic_bytes == 0
+    text = str(result)
+    assert "host traffic" in text and " in, " in text
+    assert result.to_dict()["compiled"]["host_traffic_bytes"] > 0
+
+
+@jax_only
+@needs_libtpu
+def test_tpu_offloaded_plan_reports_host_bytes_and_the_host_term():
+    def offloaded(mesh):
+        return kd.DataParallel(mesh, offload="optimizer")
+
+    result = kd.plan(mlp(), offloaded, topology="v5e:1x1", batch_size=64)
+    train = result.compiled.steps["train"]
+    moments = 2 * 4 * _parameters()  # Adam's two, float32, one chip
+    assert train.host_argument_bytes >= moments
+    assert result.compiled.host_peak_bytes >= moments
+    assert train.host_to_device_bytes >= moments
+    assert train.device_to_host_bytes >= moments
+    host = train.seconds["host"]
+    assert host == pytest.approx(train.host_to_device_bytes / 15e9)
+    assert train.step_seconds >= host > 0
+    assert "host traffic" in str(result)
 
 
 @jax_only

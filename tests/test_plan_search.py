@@ -81,6 +81,7 @@ def picky_model():
 FSDP = Candidate("fsdp", {"batch": 8})
 FSDP_TP = Candidate("fsdp_tp", {"batch": 4, "model": 2})
 DATA_PARALLEL = Candidate("data_parallel", {"batch": 8})
+DP8 = ("data_parallel", {"batch": 8})
 
 
 @pytest.fixture
@@ -259,7 +260,11 @@ def test_a_candidate_too_large_is_reported_as_not_fitting_and_remat_tried():
         device_memory=WEIGHTS_AND_MOMENTS // 2,
         candidates=["data_parallel", "fsdp"],
     )
-    by = {(r.policy, r.remat): r for r in results}
+    by = {
+        (r.policy, r.remat): r
+        for r in results
+        if not (r.candidate.offload or r.candidate.optimizer_state_dtype)
+    }
     screened = by[("data_parallel", None)]
     assert screened.status == "screened" and screened.fits is False
     assert "variables and optimizer state alone need" in screened.reason
@@ -271,6 +276,120 @@ def test_a_candidate_too_large_is_reported_as_not_fitting_and_remat_tried():
     skipped = by[("fsdp", "full")]
     assert skipped.status == "skipped" and "remat off fits" in skipped.reason
     assert "no (static)" in str(results)
+    # What does not fit gets its memory savers; what fits roomily does not.
+    savers = {r.candidate: r for r in results if r.policy == "data_parallel"}
+    offloaded = Candidate("data_parallel", {"batch": 8}, offload="optimizer")
+    half = Candidate("data_parallel", {"batch": 8}, optimizer_state_dtype="bfloat16")
+    assert set(savers) >= {offloaded, half, Candidate(*DP8, remat="dots")}
+    # Its moments live on the host: not screened, compiled, and moved.
+    assert savers[offloaded].status == "compiled", savers[offloaded]
+    train = savers[offloaded].compiled.steps["train"]
+    assert train.host_to_device_bytes >= 2 * 4 * WEIGHTS  # both moments, in
+    assert train.device_to_host_bytes >= 2 * 4 * WEIGHTS  # and out
+    assert savers[half].status == "screened"  # weights + bf16 moments > memory
+    assert not [
+        r
+        for r in results
+        if r.policy == "fsdp" and not r.candidate.plain and r.remat is None
+    ]
+    assert "offload optimizer" in str(results)
+
+
+@jax_only
+def test_savers_are_not_added_to_candidates_given():
+    results = kd.plan_search(
+        tiny,
+        topology="cpu:8",
+        batch_size=64,
+        device_memory=WEIGHTS_AND_MOMENTS // 2,
+        candidates=[DATA_PARALLEL],
+    )
+    assert [r.candidate for r in results] == [DATA_PARALLEL]
+
+
+@pytest.mark.backend_neutral
+def test_candidates_refuse_unknown_offload_and_state_dtypes():
+    with pytest.raises(ValueError, match="`offload` must be one of"):
+        Candidate(*DP8, offload="everything")
+    with pytest.raises(ValueError, match="`optimizer_state_dtype` must be one of"):
+        Candidate(*DP8, optimizer_state_dtype="int8")
+    saver = Candidate(*DP8, offload="optimizer", optimizer_state_dtype="bfloat16")
+    assert saver.description.endswith(
+        "remat off, offload optimizer, bfloat16 optimizer state"
+    )
+    assert saver.twin == DATA_PARALLEL and not saver.plain and DATA_PARALLEL.plain
+    assert saver.savers() == []  # only a plain candidate has savers
+    assert DATA_PARALLEL.to_dict() == {
+        "policy": "data_parallel",
+        "mesh": {"batch": 8},
+        "remat": None,
+    }
+
+
+# -- the largest batch ------------------------------------------------------------
+@pytest.mark.backend_neutral
+def test_the_largest_batch_doubles_then_bisects_in_steps(monkeypatch):
+    from keras_dist.planner import batch_search  # noqa: PLC0415
+
+    asked = []
+
+    def fits_at(batch):
+        asked.append(batch)
+        return batch <= 100
+
+    found = batch_search.largest_batch(FSDP, fits_at, 8, 8, None)
+    assert (found.batch_size, found.too_large) == (96, 104) and found.exact
+    assert asked[:4] == [16, 32, 64, 128] and len(asked) <= batch_search.MAX_COMPILES
+    assert "fits FSDP, batch=8, remat off: 96 (104 does not)" in str(found)
+    monkeypatch.setattr(batch_search, "MAX_COMPILES", 2)
+    capped = batch_search.largest_batch(FSDP, fits_at, 8, 8, None)
+    assert capped.batch_size == 32 and capped.too_large is None
+    assert "stopped after 2 compiles" in str(capped) and not capped.exact
+    unknown = batch_search.largest_batch(FSDP, lambda batch: None, 8, 8, None)
+    assert "whether batch 16 fits is not known" in str(unknown)
+    spent = batch_search.largest_batch(FSDP, fits_at, 8, 8, 0.0)
+    assert "the time budget was spent" in str(spent) and spent.batch_size == 8
+
+
+@jax_only
+def test_the_largest_batch_that_fits_is_found_by_compiling():
+    small = kd.plan(tiny, kd.FSDP, topology="cpu:8", batch_size=64)
+    large = kd.plan(tiny, kd.FSDP, topology="cpu:8", batch_size=128)
+    memory = (small.compiled.peak_bytes + large.compiled.peak_bytes) // 2
+    results = kd.plan_search(
+        tiny,
+        topology="cpu:8",
+        batch_size=64,
+        device_memory=memory,
+        candidates=[FSDP],
+        largest_batch=True,
+    )
+    found = results.largest_batch
+    assert found.candidate == FSDP and 64 <= found.batch_size < 128
+    assert len(found.tried) <= 4  # 128, then halving 64 to 128 in steps of 8
+    assert found.exact and found.too_large - found.batch_size == 8, found
+    assert str(found) in str(results)
+    at = kd.plan(
+        tiny,
+        kd.FSDP,
+        topology="cpu:8",
+        batch_size=found.batch_size,
+        device_memory=memory,
+    )
+    above = kd.plan(
+        tiny,
+        kd.FSDP,
+        topology="cpu:8",
+        batch_size=found.too_large,
+        device_memory=memory,
+    )
+    assert at.fits is True and above.fits is False
+    # Nothing known to fit: nothing searched, and said.
+    unknown = kd.plan_search(
+        tiny, topology="cpu:8", batch_size=64, candidates=[FSDP], largest_batch=True
+    )
+    assert unknown.largest_batch is None
+    assert "largest_batch=True: not searched" in str(unknown)
 
 
 # -- the time budget --------------------------------------------------------------

@@ -214,7 +214,8 @@ def test_two_processes_with_remat_train_like_plain_keras(tmp_path):
     """2 gloo processes, each block recomputed in backward, under DDP, kd.FSDP
     (DTensor compute, and plain compute as FSDP2 without BatchNormalization)
     and a ModelParallel splitting the blocks' kernels: a recomputed layer
-    gathers its split variables again."""
+    gathers its split variables again (with `remat="dots"` too, keeping its
+    matrix products)."""
     results = run_job(
         "remat_worker.py",
         [],
@@ -227,7 +228,13 @@ def test_two_processes_with_remat_train_like_plain_keras(tmp_path):
         Block.calls = 0
         plain[batch_norm] = (*_fit(dropout=False, batch_norm=batch_norm), Block.calls)
     for result in results:
-        assert set(result) == {"ddp", "fsdp", "fsdp_plain_compute", "model_parallel"}
+        assert set(result) == {
+            "ddp",
+            "fsdp",
+            "fsdp_plain_compute",
+            "model_parallel",
+            "fsdp_dots",
+        }
         for name, fit in result.items():
             plain_model, plain_history, plain_calls = plain[fit["batch_norm"]]
             for ours, theirs in zip(

@@ -268,6 +268,13 @@ class BackendAdapter(abc.ABC):
         the first the slice count divides) spans them."""
         raise self._no_compiled_plan()
 
+    def last_batch_shapes(self) -> Any:
+        """The shapes and dtypes of the last global batch a run laid out in
+        this process (the batch's structure, before padding), or None when
+        the backend does not record it (the plan of a call that ran out of
+        memory compiles its step at that batch)."""
+        return None
+
     def compile_steps(
         self, model: Any, distribution: Any, data: Any, kinds: tuple[str, ...]
     ) -> dict[str, dict[str, Any]]:

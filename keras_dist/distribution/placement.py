@@ -22,6 +22,7 @@ The same names elsewhere: MaxText's `optimizer_memory_host_offload` and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -147,3 +148,26 @@ class PlacesState:
         variable's own)."""
         placement = self._state_placement
         return None if placement is None else placement.optimizer_state_dtype
+
+    def with_options(self, **options: Any) -> Any:
+        """A copy of this distribution (same mesh, layouts and settings) with
+        some of `remat`, `offload` and `optimizer_state_dtype` changed, as
+        the constructor takes them (the memory savers a plan compiles)."""
+        # Imported here: the policies import this module.
+        from keras_dist.backends import get_adapter  # noqa: PLC0415
+        from keras_dist.distribution.remat import check_remat  # noqa: PLC0415
+
+        allowed = ("remat", "offload", "optimizer_state_dtype")
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise TypeError(f"with_options takes {allowed}. Received: {unknown}")
+        twin = copy.copy(self)
+        if "remat" in options:
+            twin._remat = check_remat(options["remat"])
+        if {"offload", "optimizer_state_dtype"} & set(options):
+            twin._state_placement = state_placement(
+                options.get("offload", self.offload),
+                options.get("optimizer_state_dtype", self.optimizer_state_dtype),
+                get_adapter().state_placement_problem,
+            )
+        return twin

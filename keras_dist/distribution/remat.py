@@ -26,9 +26,22 @@ ends, with two differences that keep training exact:
   Keras' scope would also mark every nested layer, recomputing the inner ones
   once more for nothing.
 
+Beside Keras' modes, named policies say what each recomputed piece keeps for
+the backward pass (`REMAT_POLICIES`, MaxText's `remat_policy`): `"full"` keeps
+only the piece's inputs; `"dots"` also keeps its matrix products without batch
+dimensions (the projections: the outputs of Dense and EinsumDense layers, not
+attention's scores), recomputing the elementwise work, norms and activation
+functions; `"offload"` keeps the same products in host memory, moved there in
+the forward pass and back in backward. A policy applies within the pieces
+`"full"` recomputes (for a KerasHub model, each decoder block: MaxText's
+checkpoint per decoder layer), or those of another mode through
+`RematPolicy(policy, mode=..., layer_names=...)`. The backend runs it
+(`backends/jax/remat.py`, `backends/torch/remat.py`), reading each layer's
+policy (`keras_compat.remat.policy_of`).
+
 A layer that already has its own mode (built under a `keras.RematScope`) keeps
-it. TensorFlow is refused when the distribution is made (Keras' recompute
-there cannot run in a compiled step).
+it, and recomputes with no policy. TensorFlow is refused when the
+distribution is made (Keras' recompute there cannot run in a compiled step).
 """
 
 from __future__ import annotations
@@ -43,21 +56,114 @@ from keras_dist.keras_compat import layers as keras_layers
 from keras_dist.keras_compat import remat as keras_remat
 
 MODES = ("full", "activations", "larger_than", "list_of_layers")
+#: The named policies `remat=` takes (MaxText's `remat_policy`): what each
+#: recomputed piece keeps for the backward pass. `"full"`: its inputs only
+#: (MaxText `full`); `"dots"`: also its matrix products without batch
+#: dimensions (MaxText `minimal`, JAX `dots_with_no_batch_dims_saveable`,
+#: PyTorch selective activation checkpointing saving `mm`/`addmm`);
+#: `"offload"`: those products in host memory (MaxText `minimal_offloaded`,
+#: JAX `offload_dot_with_no_batch_dims`; JAX only).
+REMAT_POLICIES = ("full", "dots", "offload")
+#: The names `remat=` takes.
+_NAMES = ("full", "activations", "larger_than", "dots", "offload")
+
+
+class RematPolicy(keras.RematScope):
+    """A `keras.RematScope` whose recomputed pieces keep what `policy` names.
+
+    `remat="dots"` is `RematPolicy("dots")`: the pieces of mode `"full"`.
+    With another mode, the policy applies to the layers that mode recomputes
+    whole, such as a list of transformer blocks.
+
+    Args:
+        policy: one of `REMAT_POLICIES`: `"full"` (only each piece's inputs
+            kept), `"dots"` (also its matrix products without batch
+            dimensions) or `"offload"` (those products kept in host memory).
+        mode: `"full"`, `"larger_than"` or `"list_of_layers"`: which layers
+            are recomputed, as in `keras.RematScope`. (`"activations"`
+            recomputes only activation functions, where a policy has nothing
+            to choose.)
+        output_size_threshold: as in `keras.RematScope`.
+        layer_names: as in `keras.RematScope`.
+
+    Example:
+
+    >>> scope = RematPolicy("dots", mode="list_of_layers", layer_names=["block_0"])
+    >>> scope.policy, scope.mode
+    ('dots', 'list_of_layers')
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        mode: str = "full",
+        output_size_threshold: int = 1024,
+        layer_names: list[str] | None = None,
+    ):
+        if policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"`policy` must be one of {list(REMAT_POLICIES)}. Received: "
+                f"policy={policy!r}"
+            )
+        if mode not in ("full", "larger_than", "list_of_layers"):
+            raise ValueError(
+                "A remat policy applies to the layers recomputed whole: `mode` "
+                "must be 'full', 'larger_than' or 'list_of_layers' ('activations' "
+                "recomputes only activation functions). Received: "
+                f"mode={mode!r}"
+            )
+        super().__init__(
+            mode=mode,
+            output_size_threshold=output_size_threshold,
+            layer_names=layer_names,
+        )
+        self.policy = policy
+
+    def __repr__(self) -> str:
+        return (
+            f"RematPolicy(policy={self.policy!r}, mode={self.mode!r}, "
+            f"output_size_threshold={self.output_size_threshold!r}, "
+            f"layer_names={self.layer_names!r})"
+        )
+
+
+def policy_of_scope(scope: Any) -> str | None:
+    """The named policy of a distribution's `remat` (None: Keras' own scope,
+    which keeps each piece's inputs only, as `"full"`)."""
+    return getattr(scope, "policy", None)
 
 
 def check_remat(remat: Any) -> Any:
-    """`remat` as a `keras.RematScope` (None: no rematerialization)."""
+    """`remat` as a `keras.RematScope` (a `RematPolicy` for a named policy;
+    None: no rematerialization)."""
+    scope = _as_scope(remat)
+    policy = policy_of_scope(scope)
+    if policy == "offload" and keras.backend.backend() != "jax":
+        raise NotImplementedError(
+            "remat='offload' (the saved matrix products moved to host memory) "
+            "runs on JAX, whose activation checkpointing offloads them "
+            "(memory kind 'pinned_host'). On PyTorch use remat='dots' (the "
+            "products kept on the device) or remat='full'. Received: "
+            f"remat={remat!r}"
+        )
+    return scope
+
+
+def _as_scope(remat: Any) -> Any:
     if remat is None:
         return None
     if keras.backend.backend() == "tensorflow":
         raise NotImplementedError(
-            "`remat=` (activation checkpointing) runs on JAX and PyTorch. On "
+            "`remat=` (activation checkpointing, every mode and policy: "
+            f"{list(_NAMES)}) runs on JAX and PyTorch ('offload': JAX only). On "
             "TensorFlow, Keras' rematerialization (tf.recompute_grad) fails inside "
             "a compiled step: 'The custom_gradient decorator currently supports "
             "keywords arguments only when eager execution is enabled'. Leave "
             f"`remat` out on TensorFlow. Received: remat={remat!r}"
         )
     if isinstance(remat, str):
+        if remat in REMAT_POLICIES and remat != "full":
+            return RematPolicy(remat)
         if remat == "list_of_layers":
             raise ValueError(
                 "remat='list_of_layers' needs the layers' names: pass "
@@ -66,7 +172,7 @@ def check_remat(remat: Any) -> Any:
             )
         if remat not in MODES:
             raise ValueError(
-                f"`remat` must be one of {list(MODES[:3])}, a keras.RematScope or "
+                f"`remat` must be one of {list(_NAMES)}, a keras.RematScope or "
                 f"None. Received: remat={remat!r}"
             )
         return keras.RematScope(mode=remat)
@@ -81,7 +187,7 @@ def check_remat(remat: Any) -> Any:
             )
         return remat
     raise TypeError(
-        "`remat` must be a mode name ('full', 'activations', 'larger_than'), a "
+        f"`remat` must be a name ({', '.join(map(repr, _NAMES))}), a "
         f"keras.RematScope or None. Received: remat={remat!r} of type "
         f"{type(remat).__name__}"
     )
@@ -105,6 +211,7 @@ class RematPlan:
 
     def __init__(self, model: Any, scope: Any, recomputes_state: bool = False):
         self.mode = keras_remat.mode_of_scope(scope)
+        self.policy = policy_of_scope(scope)
         self.recomputes_state = recomputes_state
         self.layers: list[Any] = []
         self.left_out: dict[str, list[str]] = {}
@@ -166,10 +273,12 @@ class RematPlan:
         """Give the layers the mode; return what takes it back."""
         for layer in self.layers:
             keras_remat.set_mode(layer, self.mode)
+            keras_remat.set_policy(layer, self.policy)
 
         def undo() -> None:
             for layer in self.layers:
                 keras_remat.set_mode(layer, None)
+                keras_remat.set_policy(layer, None)
 
         return undo
 

@@ -36,6 +36,27 @@ def set_mode(layer: Any, mode: Any) -> None:
     layer._remat_mode = mode
 
 
+#: Where a layer keeps its named remat policy (on the instance, past Keras'
+#: attribute tracking).
+_POLICY = "_keras_dist_remat_policy"
+
+
+def policy_of(layer: Any) -> str | None:
+    """The named policy of what `layer`'s recomputed call keeps for the
+    backward pass (`"dots"`, `"offload"`; `"full"` or None: its inputs
+    only). keras_dist's own setting beside Keras' mode."""
+    return layer.__dict__.get(_POLICY)
+
+
+def set_policy(layer: Any, policy: str | None) -> None:
+    """From now on `layer`'s recomputed call keeps what `policy` names (None:
+    its inputs only)."""
+    if policy is None:
+        layer.__dict__.pop(_POLICY, None)
+    else:
+        layer.__dict__[_POLICY] = policy
+
+
 def _override_rematerialized_calls(
     layers: list[Any], make: Callable[[Any], Callable]
 ) -> Callable[[], None]:

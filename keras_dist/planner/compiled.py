@@ -9,7 +9,12 @@ and turns what XLA says into a `CompiledPlan`.
 Roofline, per device and step (figures from `common.accelerators`):
 
     compute       flops / peak FLOP/s of the chip in the compute dtype
-    memory        bytes accessed / HBM bandwidth
+    memory        (arguments read + outputs written) / HBM bandwidth: what
+                  must cross HBM at least once (XLA's bytes accessed counts
+                  every operation's operands as if unfused: not a bound)
+    host          the larger of the bytes moved to the device from pinned
+                  host memory and back / the chip's host bandwidth (PCIe is
+                  full duplex: the two directions overlap)
     interconnect  (2 x all-reduce + all-gather + reduce-scatter + all-to-all
                    + collective-permute bytes) / ICI bandwidth
     network       with several slices: the cross-slice bytes (what each chip
@@ -20,7 +25,8 @@ Roofline, per device and step (figures from `common.accelerators`):
                   crosses them once a step, as MaxText's
                   `dcn_data_parallelism`); else another axis does, with a
                   warning
-    step_seconds  the longest of the four (they overlap at best)
+    step_seconds  the longest of the five (they overlap at best): a lower
+                  bound of the step
     mfu           compute / step_seconds
 """
 
@@ -339,16 +345,28 @@ def compiled_plan(
     }
     notes = [
         "Figures per device. XLA's: peak bytes (arguments + outputs + "
-        "temporaries + code - aliased), flops, bytes accessed and the "
-        "collectives of the compiled program. Projected: step time and MFU, "
-        "from a roofline over the chip's peak FLOP/s and bandwidths "
-        "(keras_dist.common.accelerators): the longest of compute, memory, "
-        "interconnect and network time, a lower bound."
+        "temporaries + code - aliased) on the device and in the host's pinned "
+        "memory, flops, the collectives and the host transfers of the "
+        "compiled program. Projected: step time and MFU, from a roofline over "
+        "the chip's peak FLOP/s and bandwidths (keras_dist.common.accelerators):"
+        " the longest of compute, memory (arguments read and outputs written "
+        "once), host transfers, interconnect and network time, a lower bound."
     ]
     if kind is None or kind.peak_16 is None:
         notes.append(
             f"No step time is projected: keras_dist's table has no peak for "
             f"{topology_mesh.device_kind!r}."
+        )
+    moving = [
+        step
+        for step in steps.values()
+        if step.host_to_device_bytes or step.device_to_host_bytes
+    ]
+    if moving and kind is not None and kind.host_bandwidth is None:
+        notes.append(
+            "The step moves data between the host and the devices, but "
+            f"keras_dist's table has no host bandwidth for "
+            f"{topology_mesh.device_kind!r}: the projection leaves that time out."
         )
     if memory is None:
         notes.append(
@@ -386,10 +404,11 @@ def _projected(
     seconds: dict[str, float | None] = {
         "compute": step.flops / peak if peak else None,
         "memory": (
-            step.bytes_accessed / kind.memory_bandwidth
-            if kind.memory_bandwidth and step.bytes_accessed is not None
+            step.device_traffic_bytes / kind.memory_bandwidth
+            if kind.memory_bandwidth and step.device_traffic_bytes is not None
             else None
         ),
+        "host": _host_seconds(step, kind),
         "interconnect": (
             ici / kind.interconnect_bandwidth if kind.interconnect_bandwidth else None
         )
@@ -413,6 +432,15 @@ def _projected(
     return dataclasses.replace(
         step, seconds=seconds, step_seconds=step_seconds, mfu=mfu
     )
+
+
+def _host_seconds(step: CompiledStep, kind: Any) -> float | None:
+    """The host term: 0 without transfers, None where the chip's host
+    bandwidth is not in the table."""
+    moved = max(step.host_to_device_bytes or 0, step.device_to_host_bytes or 0)
+    if not moved:
+        return 0.0
+    return moved / kind.host_bandwidth if kind.host_bandwidth else None
 
 
 def plan_on_topology(

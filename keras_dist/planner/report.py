@@ -150,7 +150,14 @@ def _compiled_renderables(rich: Any, compiled: Any) -> list[Any]:
         + f", computing in {compiled.compute_dtype} (per device)"
     )
     table = rich.table.Table(title=title)
-    for column in ("step", "peak (XLA's)", "flops (XLA's)", "collectives (XLA's)"):
+    for column in (
+        "step",
+        "peak (XLA's)",
+        "host (XLA's)",
+        "host traffic",
+        "flops (XLA's)",
+        "collectives (XLA's)",
+    ):
         table.add_column(column, justify="right")
     for column in ("step time (projected)", "MFU (projected)", "compile"):
         table.add_column(column, justify="right")
@@ -159,6 +166,8 @@ def _compiled_renderables(rich: Any, compiled: Any) -> list[Any]:
             table.add_row(
                 step.kind,
                 "refused",
+                "",
+                "",
                 "",
                 step.error[:200],
                 "",
@@ -174,6 +183,8 @@ def _compiled_renderables(rich: Any, compiled: Any) -> list[Any]:
         table.add_row(
             step.kind,
             _bytes(step.peak_bytes),
+            _bytes(step.host_peak_bytes),
+            _host_traffic(step),
             f"{step.flops:.3g}",
             moved or "none",
             _seconds(step.step_seconds),
@@ -181,6 +192,18 @@ def _compiled_renderables(rich: Any, compiled: Any) -> list[Any]:
             f"{step.compile_seconds:.1f} s",
         )
     return [table] + [f"* {note}" for note in compiled.notes]
+
+
+def _host_traffic(step: Any) -> str:
+    """What a step moves from the host to the device and back."""
+    if step.host_to_device_bytes is None or step.device_to_host_bytes is None:
+        return "unknown"
+    if not step.host_to_device_bytes and not step.device_to_host_bytes:
+        return "none"
+    return (
+        f"{_bytes(step.host_to_device_bytes)} in, "
+        f"{_bytes(step.device_to_host_bytes)} out"
+    )
 
 
 def render_text(plan: Any, width: int = 160) -> str:

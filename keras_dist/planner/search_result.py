@@ -191,7 +191,9 @@ class SearchResults:
     Iterate it, index it or `len()` it for the `SearchResult`s; print it
     for the ranked table. `best` is the first that fits (or, where the
     devices' memory is unknown, the first compiled); `not_tried` the
-    candidates the time budget left out.
+    candidates the time budget left out; `largest_batch` the largest global
+    batch the best fits (`planner.batch_search.LargestBatch`), when the
+    search was asked for it (`largest_batch=True`), else None.
     """
 
     def __init__(
@@ -218,6 +220,7 @@ class SearchResults:
         self.title = title
         self.notes = notes
         self.seconds = seconds
+        self.largest_batch: Any = None
 
     def __iter__(self) -> Iterator[SearchResult]:
         return iter(self.results)
@@ -379,7 +382,7 @@ def _row(result: SearchResult) -> list[str]:
         str(result.rank) if result.rank is not None else "-",
         candidate.label,
         candidate.mesh_text,
-        candidate.remat or "off",
+        candidate.description.split(", remat ", 1)[1],
         _fits_text(result),
         _bytes(result.shortfall_bytes),
         _bytes(result.peak_bytes),

@@ -246,9 +246,13 @@ def _runs_end_with_their_call(
             )
             if distribution is None or not out_of_memory.is_out_of_memory(error):
                 raise
+            if run is not None and run is not before:
+                # Ended before the step is compiled again for the message:
+                # the compile lays the model's steps out on its own.
+                run.stop()
             # The engine's words name buffers; the plan names the model's.
             raise out_of_memory.OutOfDeviceMemoryError(
-                out_of_memory.explain(model, distribution, name)
+                out_of_memory.explain(model, distribution, name, str(error))
                 + f"\n\nThe engine said: {str(error)[:2000]}"
             ) from error
         finally:

@@ -4,8 +4,8 @@ Usage: python remat_worker.py OUTPUT
 Fits `tests.test_remat`'s model (no Dropout) with `remat="full"` under
 `kd.DataParallel` (DDP), `kd.FSDP` (with its BatchNormalization: DTensor
 compute; without: plain compute, as FSDP2) and a `kd.ModelParallel` that splits
-the blocks' kernels along a model axis; writes each fit's weights, history and
-the blocks' call count to OUTPUT.
+the blocks' kernels along a model axis, and `kd.FSDP(remat="dots")`; writes
+each fit's weights, history and the blocks' call count to OUTPUT.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def main() -> None:
         "fsdp": (kd.FSDP(min_size=16, remat="full"), True),
         "fsdp_plain_compute": (kd.FSDP(min_size=16, remat="full"), False),
         "model_parallel": (_model_parallel(), False),
+        # Selective checkpointing with the DTensor gathers of a recomputation.
+        "fsdp_dots": (kd.FSDP(min_size=16, remat="dots"), True),
     }
     results = {}
     for name, (distribution, batch_norm) in fits.items():

@@ -17,7 +17,7 @@ from jax.experimental import layout as jax_layout
 from jax.experimental import multihost_utils
 
 from keras_dist.backends.base import BackendAdapter
-from keras_dist.backends.jax import compiled_plan, offload, remat
+from keras_dist.backends.jax import compiled_plan, input_adapter, offload, remat
 from keras_dist.backends.jax import keras_internals as internals
 from keras_dist.backends.jax.input_adapter import (
     DistributedBatches,
@@ -333,6 +333,7 @@ class JaxAdapter(BackendAdapter):
         )
 
     def activate(self, model: Any, distribution: Any) -> None:
+        input_adapter.forget_last_batch()
         planned = _layouts_for(model, distribution)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and optimizer.built:
@@ -461,6 +462,9 @@ class JaxAdapter(BackendAdapter):
         finally:
             self._undo_activation(model)
             keras.distribution.set_distribution(previous)
+
+    def last_batch_shapes(self) -> Any:
+        return input_adapter.last_batch_shapes()
 
     def deactivate(self, model: Any) -> None:
         self._undo_activation(model)

@@ -8,7 +8,8 @@ the model with keras_dist's steps installed, lowered on abstract values
 (`jax.ShapeDtypeStruct`s carrying the variables' and the batch's shardings):
 nothing is allocated. What XLA says of the compiled program is read here:
 
-    memory_analysis()   arguments + outputs + temporaries + code - aliased
+    memory_analysis()   arguments + outputs + temporaries + code - aliased,
+                        on the device and in its host's memory (pinned_host)
     cost_analysis()     flops, bytes accessed (per device)
     as_text()           every collective, its kind and its bytes per device;
                         with several slices, what crosses them: each slice
@@ -18,6 +19,7 @@ nothing is allocated. What XLA says of the compiled program is read here:
                         `_xla_megascale_transfer_type` (the gradients'
                         all-reduce: a reduce-scatter in the slice, the
                         shard's all-reduce across slices, an all-gather)
+                        and the transfers between the device and pinned_host
 """
 
 from __future__ import annotations
@@ -74,6 +76,14 @@ CROSS_SLICE = "cross-slice"
 _MEGASCALE_SEND = re.compile(r"=\s*(?P<type>\(.+?\))\s+send\(")
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]*)"')
 _TRANSFER = re.compile(r'_xla_megascale_transfer_type="([A-Z_]*)"')
+# An instruction, its result type and its first operand (`%x = T op(%y, ...`).
+_DEFINITION = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<type>.+?)\s+"
+    r"(?P<op>[a-z][a-z0-9-]*)\((?P<operands>[^)]*)\)"
+)
+# Memory space 5 in a layout (`{1,0:T(8,128)S(5)}`): the host's pinned memory.
+_HOST_SPACE = "S(5)"
+_ENTRY_LAYOUT = "entry_computation_layout={"
 # The chips of one TPU host along each axis of a slice, as libtpu assumes.
 _HOST_CHIPS = (2, 2, 1)
 
@@ -309,8 +319,14 @@ def compile_step(model: Any, kind: str, state: tuple, batch: Any) -> dict[str, A
     if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
     cost = cost or {}
+    text = compiled.as_text()
     slices = len(set(mesh_slices(devices).values()))
-    moved, counts = collectives(compiled.as_text(), len(devices) // slices, slices)
+    moved, counts = collectives(text, len(devices) // slices, slices)
+    to_device, to_host = host_transfers(text)
+    host = {
+        name: int(getattr(memory, f"host_{name}_size_in_bytes", 0) or 0)
+        for name in ("argument", "output", "temp", "alias")
+    }
     return {
         "kind": kind,
         "compile_seconds": seconds,
@@ -328,6 +344,24 @@ def compile_step(model: Any, kind: str, state: tuple, batch: Any) -> dict[str, A
         "temp_bytes": int(memory.temp_size_in_bytes),
         "code_bytes": int(memory.generated_code_size_in_bytes),
         "alias_bytes": int(memory.alias_size_in_bytes),
+        # The same in the host's memory (pinned_host): offloaded state.
+        "host_peak_bytes": host["argument"]
+        + host["output"]
+        + host["temp"]
+        - host["alias"],
+        "host_argument_bytes": host["argument"],
+        "host_output_bytes": host["output"],
+        "host_temp_bytes": host["temp"],
+        # What must cross the device's memory at least once: every argument
+        # read, every output written (less outputs that are their argument
+        # unchanged). XLA's bytes accessed counts traffic fusion never makes.
+        "device_traffic_bytes": int(
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            - passed_through_bytes(text)
+        ),
+        "host_to_device_bytes": to_device,
+        "device_to_host_bytes": to_host,
         "flops": float(cost.get("flops", 0.0)),
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         "collective_bytes": moved,
@@ -436,6 +470,100 @@ def _megascale_send(line: str, num_slices: int) -> tuple[str, int] | None:
     else:
         share = (slices - 1) / slices
     return name, int(payload * share)
+
+
+def _layouts(type_text: str) -> list[tuple[int, bool]]:
+    """Each array of an HLO type: its bytes and whether it lives in pinned_host."""
+    arrays = []
+    for match in re.finditer(
+        r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z0-9]*)?)\[([0-9,]*)\](\{[^}]*\})?",
+        type_text,
+    ):
+        sizes = _array_bytes(f"{match.group(1)}[{match.group(2)}]")
+        if sizes:
+            arrays.append((sizes[0], _HOST_SPACE in (match.group(3) or "")))
+    return arrays
+
+
+def host_transfers(hlo_text: str) -> tuple[int, int]:
+    """Bytes per device the compiled program `hlo_text` moves from pinned_host
+    to the device and back in one run.
+
+    Where XLA writes the memory space of each instruction (TPU, GPU), every
+    copy between the two spaces counts (`copy-start`'s `(destination,
+    source, context)`, a plain `copy`). Where it writes it on the program's
+    signature alone (CPU), each argument in pinned_host counts as read once
+    and each output there as written once."""
+    spaces: dict[str, list[tuple[int, bool]]] = {}
+    to_device = to_host = 0
+    seen_inside = False
+    for line in hlo_text.splitlines():
+        match = _DEFINITION.match(line)
+        if match is None:
+            continue
+        arrays = _layouts(match.group("type"))
+        spaces[match.group("name")] = arrays
+        if any(on_host for _, on_host in arrays):
+            seen_inside = True
+        op = match.group("op")
+        if op == "copy-start" and len(arrays) >= 2:
+            (size, destination), (_, source) = arrays[0], arrays[1]
+        elif op == "copy" and arrays:
+            size, destination = arrays[0]
+            operand = match.group("operands").split(",")[0].strip().lstrip("%")
+            found = spaces.get(operand)
+            if not found:
+                continue
+            source = found[0][1]
+        else:
+            continue
+        if destination and not source:
+            to_host += size
+        elif source and not destination:
+            to_device += size
+    if seen_inside:
+        return to_device, to_host
+    start = hlo_text.find(_ENTRY_LAYOUT)
+    if start < 0:
+        return 0, 0
+    # The signature `(arguments)->outputs`, up to its closing brace.
+    start += len(_ENTRY_LAYOUT)
+    depth, end = 1, start
+    while end < len(hlo_text) and depth:
+        depth += {"{": 1, "}": -1}.get(hlo_text[end], 0)
+        end += 1
+    arguments, _, outputs = hlo_text[start : end - 1].partition(")->")
+    read = sum(size for size, on_host in _layouts(arguments) if on_host)
+    written = sum(size for size, on_host in _layouts(outputs) if on_host)
+    return read, written
+
+
+def passed_through_bytes(hlo_text: str) -> int:
+    """Bytes of the entry computation's outputs that are one of its
+    parameters unchanged (a frozen variable the step hands back): written by
+    nobody."""
+    parameters: dict[str, int] = {}
+    in_entry = False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY "):
+            in_entry = True
+            continue
+        if not in_entry:
+            continue
+        if line.startswith("}"):
+            break
+        match = _DEFINITION.match(line)
+        if match is None:
+            continue
+        if match.group("op") == "parameter":
+            parameters[match.group("name")] = sum(_array_bytes(match.group("type")))
+        elif line.lstrip().startswith("ROOT") and match.group("op") == "tuple":
+            names = [
+                operand.strip().lstrip("%")
+                for operand in match.group("operands").split(",")
+            ]
+            return sum(parameters.get(name, 0) for name in names)
+    return 0
 
 
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")

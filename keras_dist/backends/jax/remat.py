@@ -26,6 +26,23 @@ seed generator advances once per call, as without remat:
                                              │
         outputs <── arrays + static leaves <─┤
         variables' new values, losses <──────┘──> written into the step's scope
+
+A layer's named policy (`keras_compat.remat.policy_of`, from `remat="dots"` or
+`"offload"`) is `jax.checkpoint`'s `policy`:
+
+    "full"     nothing saved but the call's inputs (jax.checkpoint's default)
+    "dots"     dots_with_no_batch_dims_saveable: the outputs of matrix
+               products without batch dimensions (projections) are saved;
+               attention's scores (a product with batch dimensions, quadratic
+               in the sequence) and all elementwise work are recomputed, as
+               MaxText's `remat_policy=minimal`. (`checkpoint_dots` would also
+               save the scores, the largest activations of a long sequence.)
+    "offload"  offload_dot_with_no_batch_dims("device", "pinned_host"): the
+               same products moved to host memory in the forward pass and back
+               in backward, as MaxText's `minimal_offloaded`. XLA's CPU
+               backend runs the moves as plain copies (device and host memory
+               are one there); an accelerator's compiled step holds them in
+               host memory.
 """
 
 from __future__ import annotations
@@ -35,7 +52,16 @@ from typing import Any
 
 import jax
 
-from keras_dist.keras_compat.remat import CallEffects
+from keras_dist.keras_compat.remat import CallEffects, policy_of
+
+#: Each named policy's `jax.checkpoint` policy (None: save nothing).
+POLICIES: dict[str, Any] = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        "device", "pinned_host"
+    ),
+}
 
 
 def _split(leaves: list[Any]) -> list[int]:
@@ -51,7 +77,9 @@ def _filled(leaves: list[Any], where: list[int], arrays: list[Any]) -> list[Any]
 
 
 def checkpoint(layer: Any, call: Callable) -> Callable:
-    """`call` (`layer`'s) recomputed in the backward pass; see the module."""
+    """`call` (`layer`'s) recomputed in the backward pass, saving what its
+    policy names; see the module."""
+    policy = POLICIES[policy_of(layer) or "full"]
 
     def recomputed(*args: Any, **kwargs: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -70,7 +98,9 @@ def checkpoint(layer: Any, call: Callable) -> Callable:
             outputs_seen.update(leaves=out_leaves, tree=out_tree, returned=returned)
             return [out_leaves[index] for index in returned], values, losses
 
-        arrays, values, losses = jax.checkpoint(pure)([leaves[i] for i in traced])
+        arrays, values, losses = jax.checkpoint(pure, policy=policy)(
+            [leaves[i] for i in traced]
+        )
         effects.put_back(values, losses)
         return jax.tree_util.tree_unflatten(
             outputs_seen["tree"],

@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.torch import keras_internals as internals
 from keras_dist.backends.torch import metric_sync, process_group
+from keras_dist.backends.torch import remat as torch_remat
 from keras_dist.backends.torch.global_moments import global_batch_norm, global_moments
 from keras_dist.backends.torch.input_adapter import (
     ProcessLocalRankBatches,
@@ -52,10 +53,8 @@ from keras_dist.common.batch_norm import GlobalBatchNorm
 from keras_dist.common.padding import check_same_input
 from keras_dist.common.random_streams import BackendStream, take_process_zero_streams
 from keras_dist.faults import heartbeat
-from keras_dist.keras_compat import remat as keras_remat
 from keras_dist.keras_compat import torch_trainer
 from keras_dist.keras_compat.distribution import route_output_layouts
-from keras_dist.keras_compat.layers import layers_of
 from keras_dist.keras_compat.steps import install_steps, remove_steps
 
 
@@ -577,14 +576,8 @@ class TorchAdapter(BackendAdapter):
             run = _dtensor().ShardedRun(model, distribution).start()
             # At the end: back to plain, full tensors, an ordinary Keras model.
             self._on_deactivate(model, run.stop)
-            if getattr(distribution, "remat", None) is not None:
-                # A recomputed layer gathers its split variables again.
-                self._on_deactivate(
-                    model,
-                    keras_remat.wrap_recomputed_calls(
-                        layers_of(model)[1:], run.recomputable
-                    ),
-                )
+            # A recomputed layer gathers its split variables again.
+            recomputable = run.recomputable
             collectives = _dtensor().collectives(run)
             replicas, replica = 1, 0
         else:
@@ -594,6 +587,11 @@ class TorchAdapter(BackendAdapter):
                 self._broadcast_from_process_zero(model)
             collectives = self._collectives(model, user_steps)
             replicas, replica = world_size, rank
+            recomputable = None
+        # The calls `remat` recomputes: keeping what its policy names.
+        self._on_deactivate(
+            model, torch_remat.recompute(model, distribution, recomputable)
+        )
         # One DistributedDataParallel: keras_dist's (or none), lent to Keras so
         # that it wraps nothing itself.
         ddp = collectives.forward if collectives.forward is not model else None
