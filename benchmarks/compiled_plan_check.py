@@ -8,7 +8,11 @@ abstract values; then the same model trains for real under
 memory (`memory_stats()`: `peak_bytes_in_use`, the buffers, plus
 `peak_bytes_reserved`, the programs' temporaries) and the step time. Each
 record also has the static plan's total of the same call (`static_bytes`:
-parameters, gradients, optimizer slots and the activations' estimate). Run with
+parameters, gradients, optimizer slots and the activations' estimate) and the
+memory term the roofline would have from XLA's bytes accessed instead of the
+bytes that must cross HBM (`bytes_accessed_ms`). The models: the MLP and the
+transformer of `benchmarks/accelerator.py`, a KerasHub Gemma decoder from a
+config, and a causal decoder of 4 `benchmarks/mixed_precision.py` blocks. Run with
 `--plan-only` on a CPU host with libtpu (`pip install "keras-dist[tpu]"`) to
 compile the same plans there: the memory figures must be the same.
 
@@ -33,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-MODELS = ("mlp", "transformer", "gemma")
+MODELS = ("mlp", "transformer", "gemma", "decoder")
 PRECISIONS = ("fp32", "bf16")
 GEMMA = {
     "vocabulary_size": 8192,
@@ -45,11 +49,16 @@ GEMMA = {
     "head_dim": 128,
 }
 GEMMA_BATCH, GEMMA_LENGTH = 32, 128
+# A causal decoder of 4 pre-norm blocks (`benchmarks/mixed_precision.py`'s).
+DECODER = {"width": 512, "heads": 8, "layers": 4, "vocabulary": 8192}
+DECODER_BATCH, DECODER_LENGTH = 16, 256
 
 
 def build(name: str) -> Any:
     import keras
 
+    if name == "decoder":
+        return _decoder()
     if name != "gemma":
         from benchmarks.accelerator import build as build_benchmark
 
@@ -66,9 +75,34 @@ def build(name: str) -> Any:
     return model
 
 
+def _decoder() -> Any:
+    import keras
+
+    from benchmarks.mixed_precision import Block
+
+    keras.utils.set_random_seed(1234)
+    tokens = keras.Input((DECODER_LENGTH,), dtype="int32")
+    hidden = keras.layers.Embedding(DECODER["vocabulary"], DECODER["width"])(tokens)
+    for index in range(DECODER["layers"]):
+        hidden = Block(DECODER["width"], DECODER["heads"], name=f"block_{index}")(
+            hidden
+        )
+    logits = keras.layers.Dense(DECODER["vocabulary"], dtype="float32")(hidden)
+    model = keras.Model(tokens, logits, name="decoder")
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-4),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
 def data(name: str, rows: int) -> tuple[Any, Any]:
     import numpy as np
 
+    if name == "decoder":
+        rng = np.random.default_rng(1234)
+        tokens = rng.integers(0, DECODER["vocabulary"], (rows, DECODER_LENGTH + 1))
+        return tokens[:, :-1].astype("int32"), tokens[:, 1:].astype("int32")
     if name != "gemma":
         from benchmarks.accelerator import data as benchmark_data
 
@@ -85,6 +119,8 @@ def data(name: str, rows: int) -> tuple[Any, Any]:
 def batch_of(name: str) -> int:
     from benchmarks.accelerator import BATCH
 
+    if name == "decoder":
+        return DECODER_BATCH
     return GEMMA_BATCH if name == "gemma" else BATCH[name]
 
 
@@ -122,6 +158,10 @@ def run_case(name: str, precision: str, topology: str, plan_only: bool) -> dict:
         if train.step_seconds is None
         else train.step_seconds * 1e3,
         "plan_seconds_by_bound": train.seconds,
+        # The memory term counted the old way, from XLA's bytes accessed
+        # (every operation's operands and results, as if unfused).
+        "bytes_accessed_ms": _bytes_accessed_ms(train, planned.compiled.device_kind),
+        "plan_device_traffic_bytes": train.device_traffic_bytes,
         "plan_error": train.error,
         "static_bytes": static.total,
         "static_parts": {
@@ -177,6 +217,15 @@ def run_case(name: str, precision: str, topology: str, plan_only: bool) -> dict:
     return record
 
 
+def _bytes_accessed_ms(train: Any, device_kind: str) -> float | None:
+    from keras_dist.common.accelerators import kind_of
+
+    kind = kind_of(device_kind)
+    if kind is None or not kind.memory_bandwidth or train.bytes_accessed is None:
+        return None
+    return train.bytes_accessed / kind.memory_bandwidth * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -216,9 +265,9 @@ def _print_table(records: list[dict]) -> None:
     print(
         "| model | precision | static MiB | plan peak MiB | measured peak MiB "
         "| plan / measured | projected ms | measured ms | projected / measured "
-        "| plan s |"
+        "| bytes-accessed ms | plan s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
 
         def mib(value: Any) -> str:
@@ -229,7 +278,8 @@ def _print_table(records: list[dict]) -> None:
             f"{mib(r['plan_peak_bytes'])} | "
             f"{mib(r.get('measured_peak_bytes'))} | {r.get('peak_ratio', 0):.3f} | "
             f"{(r['plan_step_ms'] or 0):.3f} | {r.get('measured_step_ms', 0):.3f} | "
-            f"{r.get('step_ratio', 0):.3f} | {r['plan_seconds']} |"
+            f"{r.get('step_ratio', 0):.3f} | {(r.get('bytes_accessed_ms') or 0):.3f} "
+            f"| {r['plan_seconds']} |"
         )
 
 

@@ -1,6 +1,8 @@
 """A model too large for one TPU v5e chip, fitted under keras_dist: the
 error names what each device holds and what would fit, not only XLA's
-buffers (`keras_dist.training.out_of_memory`).
+buffers (`keras_dist.training.out_of_memory`): on JAX the failing step
+compiled again for the chip, with the shortfall and the candidates that fit
+there, each compiled (`keras_dist.planner.on_devices`).
 
     KERAS_BACKEND=jax python benchmarks/out_of_memory_check.py   # on the chip
 """

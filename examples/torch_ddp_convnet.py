@@ -96,7 +96,7 @@ def weight_checksum(model: keras.Model) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch")
     parser.add_argument("--seed", type=int, default=0)
     arguments = parser.parse_args()

@@ -17,7 +17,9 @@ whichever comes first. That is also when keras_dist patches Keras (see
 `keras_dist.keras_compat`), so the patches are in place before any model
 exists. Simulated devices (`KERAS_DIST_CPU_DEVICES`) are set up at import,
 before the backend starts: with that variable, importing keras_dist imports
-the backend.
+the backend. Before that, on a host where libtpu is installed but JAX could
+only find CPU devices, JAX starts its CPU backend alone (`JAX_PLATFORMS=cpu`,
+unless set), without libtpu's errors (`keras_dist.common.tpu_host`).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ import contextlib
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 from keras_dist._version import __version__  # noqa: F401
+from keras_dist.common import tpu_host
 from keras_dist.runtime import device_simulation
 
 # `keras_dist.distribution` is the function of the public API, not the
@@ -38,6 +42,22 @@ from keras_dist.runtime import device_simulation
 importlib.import_module("keras_dist.distribution")
 globals().pop("distribution")
 
+
+def _start_jax_without_libtpu() -> None:
+    """libtpu (the `tpu` extra) on a host where JAX could only find CPU
+    devices: JAX starts its CPU backend alone, without libtpu's errors."""
+    platforms = tpu_host.jax_platforms_default()
+    if platforms is None:
+        return
+    if "jax" in sys.modules:  # its configuration read the environment already
+        module = importlib.import_module("keras_dist.backends.jax.platforms")
+        module.default_platforms(platforms)
+    else:
+        os.environ["JAX_PLATFORMS"] = platforms
+
+
+# Before simulating devices, which may start the backend.
+_start_jax_without_libtpu()
 # Simulated devices must be configured before the backend runtime starts.
 device_simulation.apply_from_environment()
 

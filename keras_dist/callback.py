@@ -76,6 +76,12 @@ class DistributeCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         heartbeat.begin_epoch(epoch)
 
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        # A step that failed on a device ends `fit` at this epoch's end, not
+        # after every later epoch (JAX runs steps asynchronously).
+        if self._run is not None:
+            self._run.wait_for_steps()
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._begin("train")
 

@@ -336,6 +336,13 @@ def _plan_distribution(arguments: argparse.Namespace, layout: Any) -> Any:
 
 def _plan(arguments: argparse.Namespace) -> int:
     """`keras-dist plan`: the planner on a model-building function."""
+    from keras_dist import cli_plan  # noqa: PLC0415
+
+    refused = cli_plan.choose_backend(arguments)  # before Keras is imported
+    if refused is not None:
+        print(f"keras-dist plan: {refused}", file=sys.stderr)
+        return 1
+    from keras_dist.planner.compiled import UntrainableModelError  # noqa: PLC0415
     from keras_dist.planner.model import UnbuiltModelError  # noqa: PLC0415
     from keras_dist.planner.plan import plan  # noqa: PLC0415
 
@@ -373,22 +380,21 @@ def _plan(arguments: argparse.Namespace) -> int:
             optimizer=arguments.optimizer,
             **_topology_arguments(arguments),
         )
-    except UnbuiltModelError as error:
-        print(
-            f"keras-dist plan: the model {error.model_name!r} ({error.model_type}) "
-            f"that {arguments.model} returns is not built, so its variables have "
-            "no shapes yet and a plan of it would be empty: pass --input-shape "
-            "with the shape of one sample without the batch dimension (e.g. "
-            "--input-shape 1024, or NAME=SHAPE once per input), or give the "
-            "model a keras.Input. Received: no --input-shape",
-            file=sys.stderr,
+    except (UnbuiltModelError, UntrainableModelError) as error:
+        said = (
+            cli_plan.unbuilt_words(error, arguments.model)
+            if isinstance(error, UnbuiltModelError)
+            else cli_plan.untrainable_words(error, arguments.model, search=False)
         )
+        print(f"keras-dist plan: {said}", file=sys.stderr)
         return 1
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as error:
         print(f"keras-dist plan: {as_flags(str(error), PLAN_FLAGS)}", file=sys.stderr)
         return 1
     # What the plan says to pass, said as this command's flags.
     result.notes = [as_flags(note, PLAN_FLAGS) for note in result.notes]
+    for note_list in [result.compiled.notes] if result.compiled else []:
+        note_list[:] = [as_flags(note, PLAN_FLAGS) for note in note_list]
     if arguments.json:
         print(json.dumps(result.to_dict()))
     else:

@@ -64,7 +64,11 @@ def run_search(
 ) -> int:
     """`keras-dist plan MODULE:FUNCTION --search`: 0 when a candidate fits
     (or the memory is unknown), 1 when none does or the search is refused."""
+    from keras_dist import cli_plan  # noqa: PLC0415
+    from keras_dist.planner.compiled import UntrainableModelError  # noqa: PLC0415
+    from keras_dist.planner.model import UnbuiltModelError  # noqa: PLC0415
     from keras_dist.planner.search import plan_search  # noqa: PLC0415
+    from keras_dist.planner.search_result import render_table  # noqa: PLC0415
 
     chosen = [
         flag for name, flag in _CHOSEN_BY_THE_SEARCH.items() if getattr(arguments, name)
@@ -87,15 +91,35 @@ def run_search(
             cache_dir=arguments.cache_dir,
             device_memory=memory,
         )
+    except UnbuiltModelError as error:
+        said = cli_plan.unbuilt_words(error, arguments.model)
+        print(f"keras-dist plan --search: {said}", file=sys.stderr)
+        return 1
+    except UntrainableModelError as error:
+        said = cli_plan.untrainable_words(error, arguments.model, search=True)
+        print(f"keras-dist plan --search: {said}", file=sys.stderr)
+        return 1
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as error:
         print(f"keras-dist plan --search: {said_as_flags(str(error))}", file=sys.stderr)
         return 1
     if arguments.json:
         print(json.dumps(results.to_dict()))
     else:
-        print(results)
+        # The notes and what to try next, said as this command's flags.
+        print(render_table(results, said_as_flags))
     if results.best is None:
-        print("keras-dist plan --search: no candidate fits", file=sys.stderr)
+        nearest = results.nearest
+        print(
+            "keras-dist plan --search: no candidate fits"
+            + (
+                f"; the nearest, {nearest.description}, is "
+                f"{nearest.shortfall_bytes:,} bytes short per device (what "
+                "to try next is printed above)"
+                if nearest is not None and not arguments.json
+                else ""
+            ),
+            file=sys.stderr,
+        )
         return 1
     return 0
 

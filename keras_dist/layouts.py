@@ -27,8 +27,8 @@ from keras_dist.backends import get_adapter
 from keras_dist.common import job
 from keras_dist.distribution.layout_map import LayoutMap
 from keras_dist.distribution.mesh import TensorLayout
+from keras_dist.distribution.swapped_axes import model_width, swap, swapped_dimensions
 from keras_dist.keras_compat.layers import layers_of
-from keras_dist.planner.swapped import model_width, swap, swapped_dimensions
 
 _COLUMN = "column"
 _ROW = "row"

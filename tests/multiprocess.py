@@ -6,7 +6,6 @@ import fcntl
 import json
 import os
 import pathlib
-import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -16,10 +15,6 @@ from keras_dist.cluster import find_free_port
 from tests.fork_server import start_python
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
-# Runs several scripts one after the other in one job (see its docstring).
-RUN_SCRIPTS = WORKERS / "run_scripts.py"
-_RUN_MARK = re.compile(r"^\[rank (\d)\] script run (\d+)$")
-_RANK_LINE = re.compile(r"^\[rank (\d)\] ")
 
 
 def run_job(
@@ -143,22 +138,6 @@ def assert_own_data_parity(results: list[dict], reference: dict) -> None:
             np.testing.assert_allclose(result["history"][key], values, atol=1e-5)
         assert result["predictions_match"]
     assert [r["rows"] for r in results] == [19, 18]
-
-
-def runs_of(stdout: str) -> dict[int, str]:
-    """The stdout lines of each script of a launched `RUN_SCRIPTS` job (each
-    with its `[rank N] ` label), by the script's index."""
-    current: dict[int, int] = {}
-    runs: dict[int, list[str]] = {}
-    for line in stdout.splitlines():
-        mark = _RUN_MARK.match(line)
-        if mark:
-            current[int(mark[1])] = int(mark[2])
-            continue
-        rank = _RANK_LINE.match(line)
-        if rank and int(rank[1]) in current:
-            runs.setdefault(current[int(rank[1])], []).append(line)
-    return {index: "\n".join(lines) for index, lines in runs.items()}
 
 
 def once_per_run(tmp_path_factory, name: str, compute: Callable[[pathlib.Path], Any]):

@@ -144,3 +144,25 @@ def test_a_write_the_file_system_refuses_is_reported_before_training(
     message = str(raised.value)
     assert str(path) in message and "chmod" in message
     assert steps.steps == 0  # refused before the first step, not at a save
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/run", "s3://bucket/run"])
+def test_a_url_is_refused_instead_of_a_local_directory_named_after_it(
+    tmp_path, monkeypatch, url
+):
+    """Orbax alone could write to `gs://`, but a step directory is committed
+    by renames and a manifest on the file system: a URL would be a local
+    `gs:` directory, each host writing its own."""
+    monkeypatch.chdir(tmp_path)
+    scheme = url.split("://")[0]
+    for make in (
+        lambda: kd.Checkpoint(url),
+        lambda: kd.restore(keras.Sequential([keras.Input((3,))]), url),
+    ):
+        with pytest.raises(
+            ValueError, match=f"not a URL: '{url}' would be a local"
+        ) as error:
+            make()
+        assert f"directory named '{scheme}:'" in str(error.value)
+        assert "Cloud Storage FUSE" in str(error.value)
+    assert not os.listdir(tmp_path)  # nothing was created

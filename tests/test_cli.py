@@ -7,6 +7,8 @@ keras_dist` exits with), on every backend: its meshes need no devices.
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -17,7 +19,7 @@ import warnings
 
 import pytest
 
-from keras_dist import cli
+from keras_dist import cli, cli_plan
 
 # The same under every backend: run once (tests/conftest.py).
 pytestmark = pytest.mark.backend_neutral
@@ -107,6 +109,123 @@ def test_plan_refuses_an_unbuilt_model_naming_the_flag(run):
     report = json.loads(out.strip().splitlines()[-1])
     assert [p["kind"] for p in report["problems"]] == ["out-of-memory"]
     assert report["devices"][0]["parameters"] == 4 * 2 * (4096 * 4096 + 4096)
+
+
+def test_plan_refuses_an_uncompiled_model_in_the_commands_words(run):
+    """The library's error speaks Python (`model.compile(optimizer=...)`,
+    `steps=('predict',)`); the command's says what to do in the model file
+    and with its flags."""
+    topology = ["--topology", "cpu:8", "--batch-size", "8"]
+    status, _, err = run("plan", "tests.workers.plan_models:mlp", *topology)
+    assert status == 1
+    assert (
+        "keras-dist plan: the model 'mlp' that tests.workers.plan_models:mlp returns "
+        "is not compiled, and the train and test steps compiled for --topology need "
+        "its loss and optimizer: the model file's function must compile it (call "
+        "model.compile(optimizer=..., loss=...) before returning it), or compile "
+        "only prediction with --steps predict." in err
+    )
+    assert "--optimizer ..." not in err and "('predict',)" not in err
+    status, _, err = run(
+        "plan", "tests.workers.plan_models:mlp_without_loss", *topology, "--search"
+    )
+    assert status == 1
+    assert (
+        "keras-dist plan --search: the model 'mlp' that "
+        "tests.workers.plan_models:mlp_without_loss returns was compiled without a "
+        "loss, and the train step --search compiles needs one: the model file's "
+        "function must give its model.compile a loss. Received:" in err
+    )
+    assert "--steps" not in err  # --search compiles the train step only
+
+
+def test_plan_with_a_topology_runs_on_jax_whatever_keras_json_says(tmp_path):
+    """`keras-dist plan --topology` as the docs write it, in a venv where Keras'
+    default backend is TensorFlow: the command picks JAX; a backend set
+    explicitly is refused with what to set."""
+    (tmp_path / "keras.json").write_text(json.dumps({"backend": "tensorflow"}))
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("KERAS_BACKEND", "KERAS_DIST_CPU_DEVICES")
+    }
+    environment["KERAS_HOME"] = str(tmp_path)
+    command = [
+        sys.executable,
+        "-m",
+        "keras_dist",
+        "plan",
+        "tests.workers.plan_models:compiled_mlp",
+        "--topology",
+        "cpu:1",
+        "--batch-size",
+        "8",
+        "--json",
+    ]
+    for extra in (["--steps", "predict"], ["--search", "--time-budget", "0.001"]):
+        done = subprocess.run(
+            command + extra,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            env=environment,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        first = report["results"][0] if "--search" in extra else report
+        assert first["compiled"]["devices"] == 1  # compiled by XLA, on JAX
+        if "--search" not in extra:  # the compiled plan's notes say flags too
+            assert any(
+                "pass --device-memory to know whether it fits" in note
+                for note in report["compiled"]["notes"]
+            )
+    refused = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**environment, "KERAS_BACKEND": "tensorflow"},
+    )
+    assert refused.returncode == 1
+    assert "--topology compiles fit's steps with XLA, on the JAX backend" in (
+        refused.stderr
+    )
+    assert "KERAS_BACKEND=tensorflow is set: run it with KERAS_BACKEND=jax" in (
+        refused.stderr
+    )
+
+
+def test_plan_with_a_topology_without_jax_installed_says_so(monkeypatch):
+    arguments = argparse.Namespace(topology="cpu:8", search=False)
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    monkeypatch.delitem(sys.modules, "keras")  # as in a fresh command
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    said = cli_plan.choose_backend(arguments)
+    assert "--topology compiles fit's steps with XLA and needs JAX, which is " in said
+    assert "not installed: pip install jax" in said
+    assert os.environ.get("KERAS_BACKEND") is None
+    monkeypatch.undo()
+    # JAX installed, nothing set: the command sets JAX; no topology: nothing.
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    monkeypatch.delitem(sys.modules, "keras")
+    assert cli_plan.choose_backend(arguments) is None
+    assert os.environ["KERAS_BACKEND"] == "jax"
+    monkeypatch.delenv("KERAS_BACKEND")
+    plain = argparse.Namespace(topology=None, search=False)
+    assert cli_plan.choose_backend(plain) is None
+    assert os.environ.get("KERAS_BACKEND") is None
+    monkeypatch.undo()
+    # Keras started on another backend already (KERAS_DIST_CPU_DEVICES
+    # starts it at import): too late to pick, said with what to set.
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    keras = sys.modules["keras"]
+    monkeypatch.setattr(keras.backend, "backend", lambda: "tensorflow")
+    said = cli_plan.choose_backend(argparse.Namespace(topology=None, search=True))
+    assert "--search compiles fit's steps with XLA, on the JAX backend; Keras " in said
+    assert "started on its default backend, tensorflow" in said
+    assert said.endswith("run it with KERAS_BACKEND=jax.")
 
 
 def test_plan_keras_hub_llama_clean_with_for_keras_hub_sized_by_sequence(run):

@@ -17,7 +17,11 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+from keras_dist.backends import get_adapter
+from keras_dist.common import accelerators
+from keras_dist.planner.compiled import UntrainableModelError
 from keras_dist.planner.topology import parse_topology
+from tests.workers import plan_models
 
 BACKEND = keras.backend.backend()
 jax_only = pytest.mark.backend("jax")
@@ -103,6 +107,45 @@ def test_unknown_topologies_are_refused_with_what_is_known(name, words):
 
 
 @pytest.mark.backend_neutral
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        (
+            "v5e:3x3",
+            "The v5e slices: 1x1, 2x2, 2x4 (one host), 4x4, 4x8, 8x8, 8x16, 16x16 "
+            "(several hosts); by Cloud's names v5e-N, N the chips: 1, 4, 8, 16",
+        ),
+        ("v6e:1x3", "The v6e slices: 1x1, 2x2, 2x4 (one host)"),
+        (
+            "v5p:3x2x2",
+            "The v5p slices: 2x2x1 (one host), 2x2x2, 2x2x4, 2x4x4, 4x4x4, "
+            "4x4x8, 4x8x8, 8x8x8, 8x8x16, 8x16x16, 16x16x16 (several hosts); by "
+            "Cloud's names v5p-N, N the TensorCores, two a chip: 8, 16",
+        ),
+    ],
+)
+def test_a_grid_libtpu_cannot_lay_out_says_which_slices_exist(name, words):
+    """Checked against libtpu 0.0.42: a grid size above 1 along either of the
+    first two axes must be even (2x2 chips a host); 3x3 is refused."""
+    with pytest.raises(ValueError, match="first two sizes is 1 or even") as raised:
+        parse_topology(name)
+    assert words in str(raised.value)
+    assert f"Received: topology={name!r}" in str(raised.value)
+    parse_topology(name.replace("3", "2"))  # the same grid, evened: accepted
+
+
+@jax_only
+def test_a_topology_libtpu_refuses_is_said_with_the_slices_that_exist(monkeypatch):
+    def refuse(self, platform, name, count, num_slices):
+        raise ValueError(f"libtpu refused the topology {name!r}: not divisible")
+
+    monkeypatch.setattr(type(get_adapter()), "topology_devices", refuse)
+    with pytest.raises(ValueError, match="libtpu refused") as raised:
+        kd.plan(mlp(), kd.DataParallel, topology="v5e:2x2", batch_size=8)
+    assert "The v5e slices: 1x1, 2x2, 2x4 (one host)" in str(raised.value)
+
+
+@pytest.mark.backend_neutral
 def test_bad_slice_counts_and_types():
     with pytest.raises(ValueError, match="num_slices` must be at least 1"):
         parse_topology("v5e:2x2", 0)
@@ -122,8 +165,27 @@ def test_a_mesh_of_another_size_is_refused_before_compiling():
 
 @jax_only
 def test_an_uncompiled_model_is_refused_before_compiling():
-    with pytest.raises(ValueError, match=r"needs a compiled model.*model.compile"):
+    with pytest.raises(UntrainableModelError) as raised:
         kd.plan(mlp(compile_it=False), kd.DataParallel, topology="cpu:8", batch_size=8)
+    # The library speaks Python (the command says it as flags: test_cli.py).
+    message = str(raised.value)
+    assert "call model.compile(optimizer=..., loss=...) in the model function" in (
+        message
+    )
+    assert "steps=('predict',)" in message and "--" not in message
+    assert raised.value.missing == "compile"
+    assert raised.value.steps == ["train", "test"]
+    with pytest.raises(
+        UntrainableModelError, match=r"Give model.compile\(loss="
+    ) as raised:
+        kd.plan(
+            plan_models.mlp_without_loss,
+            kd.DataParallel,
+            topology="cpu:8",
+            batch_size=8,
+            steps=("train",),
+        )
+    assert raised.value.missing == "loss"
     # Prediction alone needs no loss.
     result = kd.plan(
         mlp(compile_it=False),
@@ -290,7 +352,20 @@ def test_tpu_topology_plan_reads_xla_memory_flops_and_collectives():
     assert plain_train.flops == pytest.approx(6 * _parameters() * batch / 4, rel=0.15)
     assert plain_train.collective_bytes["all-reduce"] >= 4 * _parameters()
     assert plain_train.step_seconds > 0 and 0 < plain_train.mfu <= 1
-    assert set(plain_train.seconds) == {"compute", "memory", "interconnect", "network"}
+    assert set(plain_train.seconds) == {
+        "compute",
+        "memory",
+        "host",
+        "interconnect",
+        "network",
+    }
+    # Nothing offloaded: no host bytes, no host time; the memory term counts
+    # the arguments read and the outputs written, less than XLA's unfused
+    # bytes accessed.
+    assert plain_train.host_peak_bytes == 0 and plain_train.seconds["host"] == 0
+    assert plain_train.host_to_device_bytes == plain_train.device_to_host_bytes == 0
+    assert plain_train.device_traffic_bytes >= plain_train.argument_bytes
+    assert plain_train.device_traffic_bytes < plain_train.bytes_accessed
 
 
 @jax_only
@@ -306,11 +381,44 @@ def test_tpu_plan_of_a_model_too_large_does_not_fit_with_the_margin_said():
     assert "Does not fit" in str(result)
 
 
+def _named_mlp(width: int = WIDTH):
+    def build():
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(width, activation="relu", name="d1"),
+                keras.layers.Dense(width, activation="relu", name="d2"),
+                keras.layers.Dense(16, name="d3"),
+            ],
+            name="named_mlp",
+        )
+        model.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    return build
+
+
+def _tensor_parallel(build):
+    made = build()
+
+    def distribution(mesh):
+        layout_map = kd.layouts.tensor_parallel(made, mesh)
+        return kd.ModelParallel(mesh, layout_map=layout_map, batch_dim_name="batch")
+
+    return distribution
+
+
 @jax_only
 @needs_libtpu
-def test_multi_slice_topology_splits_the_batch_axis_across_slices():
+def test_multi_slice_plan_counts_the_gradients_crossing_slices_on_the_network():
+    """XLA hands the cross-slice all-reduce of the gradients to the megascale
+    runtime (send/recv pairs): each chip moves at least its shard of the
+    gradients across slices, and the network term counts it."""
     result = kd.plan(
-        mlp(),
+        _named_mlp(),
         kd.DataParallel,
         topology="v5e:2x2",
         num_slices=2,
@@ -319,7 +427,94 @@ def test_multi_slice_topology_splits_the_batch_axis_across_slices():
     )
     compiled = result.compiled
     assert compiled.devices == 8 and compiled.num_slices == 2
-    assert compiled.steps["train"].seconds["network"] > 0
+    assert compiled.slice_axis == "batch"
+    assert "2 slices (mesh axis 'batch' spans them)" in str(result)
+    train = compiled.steps["train"]
+    gradient_bytes = sum(
+        row.total_bytes for row in result.rows if row.role == "trainable"
+    )
+    chips_per_slice = 4
+    shard = gradient_bytes / chips_per_slice
+    assert train.collective_bytes["cross-slice"] >= shard
+    assert train.collective_counts["cross-slice"] >= 1
+    network = accelerators.kind_of("TPU v5 lite").network_bandwidth
+    # A ring all-reduce across 2 slices: each chip sends its shard once.
+    assert train.seconds["network"] >= shard / network
+    assert train.step_seconds >= train.seconds["network"]
+
+
+@jax_only
+@needs_libtpu
+def test_multi_slice_plan_lays_the_batch_axis_across_slices_not_the_model_axis():
+    build = _named_mlp()
+    result = kd.plan(
+        build,
+        _tensor_parallel(build),
+        topology="v5e:2x2",
+        num_slices=2,
+        mesh={"model": 2, "batch": 4},
+        batch_size=64,
+        steps=("train",),
+    )
+    assert result.compiled.slice_axis == "batch"
+    assert result.compiled.steps["train"].collective_bytes["cross-slice"] > 0
+
+
+@jax_only
+@needs_libtpu
+def test_multi_slice_plan_warns_when_only_a_model_axis_can_span_slices():
+    build = _named_mlp()
+    with pytest.warns(UserWarning, match="mesh axis 'model' spans them") as caught:
+        result = kd.plan(
+            build,
+            _tensor_parallel(build),
+            topology="v5e:2x2",
+            num_slices=2,
+            mesh={"batch": 1, "model": 8},
+            batch_size=64,
+            steps=("train",),
+        )
+    assert "data-center network" in str(caught[0].message)
+    assert caught[0].filename == __file__
+    assert result.compiled.slice_axis == "model"
+
+
+@jax_only
+def test_collectives_count_megascale_sends_and_groups_wider_than_a_slice():
+    from keras_dist.backends.jax.compiled_plan import collectives  # noqa: PLC0415
+
+    hlo = "\n".join(
+        [
+            "%send = (f32[256]{0}, u32[], token[]) send(%a, %t), channel_id=2, "
+            '_xla_host_transfer_rendezvous="all-reduce.1_0",'
+            '_xla_megascale_transfer_type="ALL_REDUCE"',
+            "%recv = (f32[256]{0}, u32[], token[]) recv(%t), channel_id=1, "
+            '_xla_host_transfer_rendezvous="all-reduce.1_0",'
+            '_xla_megascale_transfer_type="ALL_REDUCE"',
+            "%all-reduce.1 = f32[64]{0} all-reduce(%b), channel_id=3, "
+            "replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add",
+            "%all-reduce.2 = f32[32]{0} all-reduce(%c), channel_id=4, "
+            "replica_groups={{0,1}}, to_apply=%add",
+        ]
+    )
+    moved, counts = collectives(hlo, slice_devices=4)
+    # The send's payload (its recv not again), and the 8-device all-reduce
+    # on slices of 4 devices.
+    assert moved["cross-slice"] == 256 * 4 + 64 * 4
+    assert counts["cross-slice"] == 2
+    assert moved["all-reduce"] == (64 + 32) * 4
+    moved, counts = collectives(hlo)
+    assert moved["cross-slice"] == 256 * 4 and counts["cross-slice"] == 1
+    # Across 4 slices a ring sends 2 x 3/4 of an all-reduce's buffer, and
+    # its shard to each of the 3 other slices for an all-gather.
+    gather = (
+        "%send.1 = (f32[64]{0}, u32[], token[]) send(%g, %t), channel_id=5, "
+        '_xla_host_transfer_rendezvous="all-gather.2_0",'
+        '_xla_megascale_transfer_type="ALL_GATHER"'
+    )
+    moved, counts = collectives(hlo + "\n" + gather, num_slices=4)
+    assert moved["cross-slice"] == 1.5 * 256 * 4 + 3 * 64 * 4
+    assert counts["cross-slice"] == 2
 
 
 @jax_only
@@ -422,6 +617,128 @@ def test_keras_traces_the_step_as_on_the_topologys_platform():
     )
     if error:
         assert four.fits is not True and "XLA refused the train step" in str(four)
+
+
+# -- host memory and the roofline -------------------------------------------------
+def _offloaded_step(devices: list):
+    """A step whose moment lives in pinned_host: brought in, updated, sent
+    back (as `offload="optimizer"` does for each variable)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    device = jax.sharding.SingleDeviceSharding(devices[0], memory_kind="device")
+    host = jax.sharding.SingleDeviceSharding(devices[0], memory_kind="pinned_host")
+
+    def step(weight, moment):
+        moment = jax.device_put(moment, device) * 0.9 + 0.1
+        return weight - moment, jax.device_put(moment, host)
+
+    arguments = (
+        jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=device),
+        jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=host),
+    )
+    jitted = jax.jit(step, out_shardings=(device, host), donate_argnums=(0, 1))
+    return jitted.lower(*arguments).compile()
+
+
+@jax_only
+def test_host_transfers_are_read_from_the_compiled_program():
+    import jax  # noqa: PLC0415
+
+    from keras_dist.backends.jax import compiled_plan  # noqa: PLC0415
+
+    # CPU: XLA writes the memory spaces on the signature alone: the moment is
+    # read once and written once.
+    compiled = _offloaded_step(jax.devices("cpu"))
+    moment = 256 * 256 * 4
+    assert compiled_plan.host_transfers(compiled.as_text()) == (moment, moment)
+    plain = jax.jit(lambda x: x * 2).lower(np.ones(8, "float32")).compile()
+    assert compiled_plan.host_transfers(plain.as_text()) == (0, 0)
+    # An output that is its argument unchanged is written by nobody.
+    text = (
+        "ENTRY %main (a: f32[4], b: f32[8]) -> (f32[4], f32[8]) {\n"
+        "  %a = f32[4]{0} parameter(0)\n"
+        "  %b = f32[8]{0} parameter(1)\n"
+        "  %c = f32[4]{0} add(%a, %a)\n"
+        "  ROOT %t = (f32[4]{0}, f32[8]{0}) tuple(%c, %b)\n"
+        "}\n"
+    )
+    assert compiled_plan.passed_through_bytes(text) == 32
+
+
+@jax_only
+@needs_libtpu
+def test_tpu_host_transfers_are_each_copy_between_the_memories():
+    from keras_dist.backends.jax import compiled_plan  # noqa: PLC0415
+
+    devices = compiled_plan.topology_devices("tpu", "v5e:1x1", 1, 1)
+    compiled = _offloaded_step(devices)
+    moment = 256 * 256 * 4
+    assert compiled_plan.host_transfers(compiled.as_text()) == (moment, moment)
+    memory = compiled.memory_analysis()
+    assert memory.host_argument_size_in_bytes == moment
+
+
+@pytest.mark.backend_neutral
+def test_the_roofline_is_a_lower_bound_with_a_host_term():
+    from keras_dist.common.accelerators import kind_of  # noqa: PLC0415
+    from keras_dist.planner.compiled import _projected  # noqa: PLC0415
+
+    v5e = kind_of("TPU v5 lite")
+    figures = {
+        "kind": "train",
+        "compile_seconds": 1.0,
+        "flops": 197e9,  # 1 ms at the bf16 peak
+        "bytes_accessed": 8.19e9,  # unfused: 10 ms, not a bound
+        "device_traffic_bytes": int(1.638e9),  # 2 ms
+        "host_to_device_bytes": int(45e6),  # 3 ms at 15 GB/s
+        "device_to_host_bytes": int(30e6),  # overlaps the other way
+        "collective_bytes": {},
+    }
+    step = _projected(figures, v5e, "bfloat16", 1)
+    assert step.seconds["compute"] == pytest.approx(1e-3)
+    assert step.seconds["memory"] == pytest.approx(2e-3)
+    assert step.seconds["host"] == pytest.approx(3e-3)
+    assert step.step_seconds == pytest.approx(3e-3)
+    assert step.mfu == pytest.approx(1 / 3)
+    # A chip without a host bandwidth in the table: the term is not known.
+    v4 = kind_of("TPU v4")
+    assert _projected(figures, v4, "bfloat16", 1).seconds["host"] is None
+
+
+@jax_only
+def test_an_offloaded_plan_reports_host_bytes_and_traffic():
+    def offloaded(mesh):
+        return kd.FSDP(mesh, offload="optimizer")
+
+    result = kd.plan(mlp(), offloaded, topology="cpu:8", batch_size=64)
+    plain = kd.plan(mlp(), kd.FSDP, topology="cpu:8", batch_size=64)
+    moments = 2 * 4 * _parameters() / 8  # Adam's two, an eighth a device
+    compiled = result.compiled
+    assert compiled.host_traffic_bytes >= 2 * moments * 0.95  # in and out
+    assert plain.compiled.host_traffic_bytes == 0
+    text = str(result)
+    assert "host traffic" in text and " in, " in text
+    assert result.to_dict()["compiled"]["host_traffic_bytes"] > 0
+
+
+@jax_only
+@needs_libtpu
+def test_tpu_offloaded_plan_reports_host_bytes_and_the_host_term():
+    def offloaded(mesh):
+        return kd.DataParallel(mesh, offload="optimizer")
+
+    result = kd.plan(mlp(), offloaded, topology="v5e:1x1", batch_size=64)
+    train = result.compiled.steps["train"]
+    moments = 2 * 4 * _parameters()  # Adam's two, float32, one chip
+    assert train.host_argument_bytes >= moments
+    assert result.compiled.host_peak_bytes >= moments
+    assert train.host_to_device_bytes >= moments
+    assert train.device_to_host_bytes >= moments
+    host = train.seconds["host"]
+    assert host == pytest.approx(train.host_to_device_bytes / 15e9)
+    assert train.step_seconds >= host > 0
+    assert "host traffic" in str(result)
 
 
 @jax_only

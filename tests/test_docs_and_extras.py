@@ -17,6 +17,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.training.session import active_run
+from tests.doc_commands import documented_command
 
 # The same under every backend: run once (tests/conftest.py).
 pytestmark = pytest.mark.backend_neutral
@@ -145,7 +146,9 @@ def test_the_cpu_torch_command_brings_the_pinned_torch_from_pytorchs_cpu_index()
 # A shell line that runs the venv's programs by their bare names, as the docs
 # write them (`python examples/...`, `KERAS_BACKEND=jax keras-dist devices`).
 BARE_COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python|keras-dist|pytest) ", re.M)
-ACTIVATE = "source .venv/bin/activate"
+# Run by `test_activating_the_venv_gives_the_docs_commands` (the docs' registry:
+# tests/doc_commands.py).
+ACTIVATE = documented_command("source .venv/bin/activate")
 
 
 def _shell_blocks(path: pathlib.Path) -> list[str]:
@@ -214,3 +217,127 @@ def test_every_test_the_keras_nightly_run_names_exists():
         assert source.is_file(), entry
         if function:
             assert re.search(rf"^def {function}\(", source.read_text(), re.M), entry
+
+
+# Project-internal references: "issue 25", "issues 3 and 4" (the first
+# number), "issue #25", "PR 12", "pull request 12", a bare "#25". An upstream
+# reference (`keras-team/keras#20585`, `keras#19246`, a link to
+# `.../issues/20585` or `.../pull/20585`) near it keeps it.
+INTERNAL_REFERENCE = re.compile(
+    r"\b(?:issues?|PRs?|pull\s+requests?)\s*#?\s*(\d+)\b|(?<![\w/.#&-])#(\d+)\b",
+    re.I,
+)
+# Diary wording: when or in which session a thing changed, not what it does.
+DIARY_PHRASES = [
+    r"\b(?:again|run|re-?run|measured|checked|tested)\s+now\b",  # "run again now"
+    r"\b(?:is|are|was|were|has|have|had|does|do|did|will|can)\s+now\b",  # "is now"
+    r"\b(?:keras_dist|it|this|which|that|they)\s+now\b",  # "keras_dist now runs"
+    r"\bnow\s*[),;:]",  # "allocates 9.96 now, above"; "(... now)"
+    r"(?:^|[.!?]\s+)Now\s+(?!that\b)",  # a sentence opening "Now ..."
+    r"\bas\s+of\s+(?:today|now|this|these|writing)\b",  # "as of this change"
+    r"\btoday'?s?\b|\byesterday\b|\blast\s+(?:week|night|session)\b",
+    r"\bthis\s+(?:session|change|PR|commit|branch)\b",  # "before this change"
+    r"\b(?:before|after|since|until)\s+(?:this|the|that|our)\b[^.;]{0,40}?"
+    r"\b(?:change|fix|commit|merge)\b",  # "after the `set_timeout` fix"
+    r"\bfixed\s*:|:\s*fixed\b|\b(?:was|were)\s+a\s+bug\b",  # "(resume: fixed)"
+]
+
+
+def _user_documents() -> list[pathlib.Path]:
+    """The pages users read: the README, docs/, the benchmarks' README and the
+    integrations' and examples' READMEs (the CHANGELOG is a history: not
+    these)."""
+    return [
+        REPO / "README.md",
+        REPO / "benchmarks" / "README.md",
+        *sorted((REPO / "docs").rglob("*.md")),
+        *sorted(REPO.glob("integrations/*/README.md")),
+        *sorted(REPO.glob("examples/**/README.md")),
+    ]
+
+
+def _diary(text: str) -> list[tuple[int, str]]:
+    """`(line, words)` for each project-issue reference and each diary phrase
+    of `text` (a phrase may run over a line break), in the order found.
+
+    Caught: "issue 25", "issue #25", "issues 3", "PR 12", "pull request 12",
+    a bare "#25" (kept when an upstream reference with that number,
+    `owner/repo#25`, `keras#25` or a link to `.../issues/25` or
+    `.../pull/25`, stands on the same or the next line); "run again now",
+    "measured now", "is now", "keras_dist now ...", "it now ...", "now" before
+    `)`, `,`, `;` or `:`, a sentence opening with "Now" (not "Now that"),
+    "as of today / now / this change / writing", "today", "today's",
+    "yesterday", "last week", "this session", "this change", "this PR",
+    "before this change", "after the ... fix", "since the ... commit",
+    "(resume: fixed)", "fixed: ...", "was a bug"."""
+    found = []
+    for match in INTERNAL_REFERENCE.finditer(text):
+        number = match.group(1) or match.group(2)
+        start = text.rfind("\n", 0, match.start()) + 1
+        end = text.find("\n", text.find("\n", match.end()) + 1)
+        around = text[start : end if end != -1 else len(text)]
+        upstream = rf"[\w.-]+#{number}\b|/(?:issues|pull)/{number}\b"
+        if not re.search(upstream, around):
+            found.append((match.start(), match.group(0)))
+    for phrase in DIARY_PHRASES:
+        found += [(m.start(), m.group(0)) for m in re.finditer(phrase, text, re.I)]
+    return [
+        (text.count("\n", 0, offset) + 1, " ".join(words.split()))
+        for offset, words in sorted(found)
+    ]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("On JAX none did (issue\n25's run).", [(1, "issue\n25")]),
+        ("fixed in issue #7, and PR 9", [(1, "issue #7"), (1, "PR 9")]),
+        ("see (#31)", [(1, "#31")]),
+        ("Run again now: it trains.", [(1, "again now"), (1, "now:")]),
+        ("x\nkeras_dist now runs it.", [(2, "keras_dist now")]),
+        ("It allocates 9.96 now, above.", [(1, "now,")]),
+        ("As of today it is faster.", [(1, "As of today"), (1, "today")]),
+        ("same (resume: fixed)", [(1, ": fixed")]),
+        (
+            "all passed after the `set_timeout` fix",
+            [(1, "after the `set_timeout` fix")],
+        ),
+        (
+            "| same, before this change |",
+            [(1, "before this change"), (1, "this change")],
+        ),
+    ],
+)
+def test_the_diary_check_catches_issue_numbers_and_diary_phrases(text, expected):
+    assert _diary(text) == [(line, " ".join(words.split())) for line, words in expected]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "clear `ValueError` (keras#19246)",
+        "KerasHub's maps (keras-hub#2827), Keras issue 20585 (keras-team/keras#20585)",
+        "[issue 1628](https://github.com/keras-team/keras-hub/issues/1628)",
+        "Now that the model is built, fit it. Until now nothing ran.",
+        "steps since the last save are trained again; the job starts again",
+        "it issues the collectives together; `torch_ddp` with `--repeats 15`",
+    ],
+)
+def test_the_diary_check_keeps_upstream_references_and_plain_words(text):
+    assert _diary(text) == []
+
+
+def test_user_documents_speak_of_the_product_not_of_its_history():
+    documents = _user_documents()
+    assert REPO / "docs" / "architecture.md" in documents
+    found = [
+        f"{path.relative_to(REPO)}:{line}: {words!r}"
+        for path in documents
+        for line, words in _diary(path.read_text())
+    ]
+    assert found == [], (
+        "These lines say when or by which issue a thing changed; say what it does "
+        "and how it is measured instead (a measurement's date beside its figure "
+        "is fine; an upstream reference as owner/repo#N or keras#N is kept): "
+        + "; ".join(found)
+    )

@@ -26,9 +26,18 @@ allowed; they do not show on the rendered page) say how to run it:
   relative to `docs/`) first, in the same script. It defines what the block
   takes as given (`x`, `y`, `build_model()`), small enough for seconds on CPU.
 
-A marker that is not followed by a Python block, or that names an unknown
-backend or a missing file, fails the collection test. A block repeated word for
-word in several places runs once.
+A marker that is not followed by a Python or shell block, or that names an
+unknown backend or a missing file, fails the collection test. A block repeated
+word for word in several places runs once.
+
+Each command of a ```bash (`sh`, `shell`, `console`) block is run, word for
+word, by a test: through `tests/doc_commands.py` (`run_documented("...")`, or
+`documented_command("...")` for a test that runs it its own way), whose
+literal calls in tests/ are the registry the block's commands are looked up
+in. Otherwise the block says why not with `<!-- not-run: <reason> -->` (it
+needs a cluster, your own script, installs packages...), or it is one of the
+README's set-up commands that CI runs as written: its `<!-- NAME-command -->`
+marker is one that `.ci/run` names (and runs the block after).
 
 `docs/api.md` documents every name of `keras_dist.__all__`, the architecture
 page's pictures are what `docs/images/architecture.py` draws, and
@@ -53,6 +62,7 @@ import zlib
 import keras
 import pytest
 
+from tests import doc_commands
 from tests.fork_server import ForkServer, run_script
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -62,8 +72,11 @@ BLOCK_TIMEOUT_S = 240  # a block takes seconds; the margin is for a busy machine
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^\s`]*)")
 MARKER = re.compile(
-    r"^\s*<!--\s*(?P<key>not-run|backends|run-with)\b:?(?P<value>.*?)-->\s*$"
+    r"^\s*<!--\s*(?P<key>not-run|backends|run-with|[a-z][a-z-]*-command)\b:?"
+    r"(?P<value>.*?)-->\s*$"
 )
+SHELL_LANGUAGES = ("bash", "sh", "shell", "console")
+CI_SCRIPT = REPO / ".ci" / "run"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +154,12 @@ def _python_blocks() -> list[Block]:
 
 
 PYTHON_BLOCKS = _python_blocks()
+SHELL_BLOCKS = [
+    block
+    for path in _documents()
+    for block in _blocks(path)
+    if block.language in SHELL_LANGUAGES
+]
 
 
 def test_docs_have_python_blocks_and_every_marker_is_well_formed():
@@ -165,8 +184,12 @@ def test_docs_have_python_blocks_and_every_marker_is_well_formed():
                 f"{block.name}: `run-with` file docs/{markers['run-with']} "
                 "does not exist"
             )
-    # Every marker in the docs belongs to the Python block right after it.
-    attached = sum(len(block.markers) for block in PYTHON_BLOCKS)
+    for block in PYTHON_BLOCKS:
+        for key in block.markers:
+            if key.endswith("-command"):
+                problems.append(f"{block.name}: `{key}` marks a shell block")
+    # Every marker in the docs belongs to the Python or shell block right after it.
+    attached = sum(len(block.markers) for block in PYTHON_BLOCKS + SHELL_BLOCKS)
     written = sum(
         1
         for path in _documents()
@@ -175,10 +198,203 @@ def test_docs_have_python_blocks_and_every_marker_is_well_formed():
     )
     if written != attached:
         problems.append(
-            f"{written - attached} marker(s) are not right before a Python block "
-            "(only blank lines and other markers may stand between them)"
+            f"{written - attached} marker(s) are not right before a Python or "
+            "shell block (only blank lines and other markers may stand between "
+            "them)"
         )
     assert problems == []
+
+
+def _commands(block: Block) -> list[str]:
+    """The commands of a shell block, one a line (a line continuation joins
+    two), without comments and blank lines, as `doc_commands.canonical`
+    writes them."""
+    commands = []
+    for line in block.code.replace("\\\n", " ").splitlines():
+        command = doc_commands.canonical(line)
+        if command:
+            commands.append(command)
+    return commands
+
+
+def _shell_block_problems(block: Block, registry: dict[str, str]) -> list[str]:
+    markers = block.markers
+    for key in ("backends", "run-with"):
+        if key in markers:
+            return [f"{block.name}: `{key}` is for Python blocks, not shell ones"]
+    if "not-run" in markers:
+        if not markers["not-run"]:
+            return [f"{block.name}: `not-run` gives no reason"]
+        return []
+    ci_markers = [key for key in markers if key.endswith("-command")]
+    if ci_markers:
+        ci_script = CI_SCRIPT.read_text()
+        return [
+            f"{block.name}: `<!-- {key} -->` says CI runs this block, but "
+            f"{CI_SCRIPT.relative_to(REPO)} does not run it"
+            for key in ci_markers
+            if block.path != REPO / "README.md"
+            or not re.search(rf"(?<![\w-]){key}(?![\w-])", ci_script)
+        ]
+    return [
+        f"{block.name}: `{command}` is run by no test. Run it word for word in "
+        f'a test, through tests/doc_commands.py (`run_documented("{command}", '
+        "...)`), or put `<!-- not-run: <why it cannot run in the tests> -->` on "
+        "the line before the block"
+        for command in _commands(block)
+        if command not in registry
+    ]
+
+
+@pytest.mark.backend_neutral
+def test_every_shell_command_of_the_docs_runs_in_a_test_or_says_why_not():
+    registry = doc_commands.registered_commands()
+    assert len(SHELL_BLOCKS) >= 10, [block.name for block in SHELL_BLOCKS]
+    problems = [
+        problem
+        for block in SHELL_BLOCKS
+        for problem in _shell_block_problems(block, registry)
+    ]
+    assert problems == [], "\n".join(problems)
+    # And every command a test says it runs for the docs is in them.
+    shown = {command for block in SHELL_BLOCKS for command in _commands(block)}
+    shown |= {
+        doc_commands.canonical(command)
+        for path in _documents()
+        for command in _inline_commands(path)
+    }
+    stale = {
+        command: where for command, where in registry.items() if command not in shown
+    }
+    assert stale == {}, "commands the tests run that no shell block shows"
+
+
+@pytest.mark.backend_neutral
+def test_a_new_shell_block_without_a_test_or_marker_fails_naming_the_fix(tmp_path):
+    page = tmp_path / "new.md"
+    page.write_text(
+        "```bash\nkeras-dist launch --nproc-per-node 2 my_new_script.py  # hi\n```\n"
+        "\n<!-- not-run -->\n```bash\nsbatch job.sbatch\n```\n"
+        "\n<!-- backends: jax -->\n```sh\nkeras-dist devices\n```\n"
+    )
+    new, empty, python_marker = (
+        dataclasses.replace(block, path=REPO / "docs" / "new.md")
+        for block in _blocks(page)
+    )
+    (problem,) = _shell_block_problems(new, {})
+    assert problem == (
+        "docs/new.md:1: `keras-dist launch --nproc-per-node 2 my_new_script.py` "
+        "is run by no test. Run it word for word in a test, through "
+        'tests/doc_commands.py (`run_documented("keras-dist launch '
+        '--nproc-per-node 2 my_new_script.py", ...)`), or put `<!-- not-run: '
+        "<why it cannot run in the tests> -->` on the line before the block"
+    )
+    registered = {doc_commands.canonical(new.code): "tests/x.py:1"}
+    assert _shell_block_problems(new, registered) == []
+    assert _shell_block_problems(empty, {}) == [
+        "docs/new.md:6: `not-run` gives no reason"
+    ]
+    assert _shell_block_problems(python_marker, {}) == [
+        "docs/new.md:11: `backends` is for Python blocks, not shell ones"
+    ]
+    # Commands compare as a shell splits them; an open quote keeps the words.
+    assert doc_commands.canonical('a "b c" \\\n  d  # e') == "a 'b c' d"
+    assert doc_commands.canonical("echo 'open  quote") == "echo 'open quote"
+    ci_block = dataclasses.replace(new, markers={"unknown-command": ""})
+    assert _shell_block_problems(ci_block, {}) == [
+        "docs/new.md:1: `<!-- unknown-command -->` says CI runs this block, but "
+        ".ci/run does not run it"
+    ]
+
+
+# An inline command that runs a script (`python examples/x.py`,
+# `keras-dist launch ... script.py`, `tests/run_suite.sh`): run by a test as
+# written, or named here with why it is not.
+INLINE_COMMAND = re.compile(
+    r"^(?:[A-Z_]+=\S+ )*(?:\.venv/bin/)?(?:python3?|keras-dist|torchrun|srun|pytest)"
+    r"\b.*\S\.(?:py|sh)\b|^tests/\S+\.sh\b"
+)
+INLINE_NOT_RUN = {
+    "keras-dist launch --nproc-per-node 2 train.py": "train.py is your script",
+    "keras-dist launch --nproc-per-node N script.py": "script.py is your script",
+    "torchrun ... train.py": "train.py is your script",
+    "srun python train.py": "needs SLURM",
+    "python -m pytest tests/test_package_rules.py": "a test file: the suite runs it",
+    "tests/run_suite.sh": "CI runs it: it is the README's test command",
+    "tests/run_all_backends.sh": "run by tests/run_suite.sh, which CI runs",
+    "tests/run_keras_nightly.sh": "run by tests/run_suite.sh, which CI runs",
+    "tests/run_torch_release.sh VERSION": "installs another torch release",
+    "tests/keras_own/run.sh": "runs Keras' own test suite, for minutes",
+    "python examples/ray_train.py --backend jax": "starts a local Ray cluster, too "
+    "slow for CI: tests/integrations/test_ray.py runs what it uses",
+    "KERAS_BACKEND=jax python examples/fine_tune_llm.py": "the record of a run on "
+    "a TPU chip; the page's CPU commands run in tests/test_fine_tune_recipe.py",
+    "KERAS_BACKEND=jax python benchmarks/compiled_plan_check.py": "a benchmark: "
+    "its figures and command are in benchmarks/README.md",
+    "KERAS_BACKEND=jax python benchmarks/out_of_memory_check.py": "a benchmark: "
+    "its figures and command are in benchmarks/README.md",
+    "TPU_SKIP_MDS_QUERY=1 KERAS_BACKEND=jax python plan_slice.py": "a block that "
+    "needs libtpu, saved as a file: how the output shown was made",
+    "python benchmarks/offload.py --mode compiled --layers 8 --width 8192 "
+    "--accumulation 4": "a benchmark that compiles for a TPU chip (libtpu, minutes "
+    "of CPU): its figures are on the page",
+}
+
+
+def _inline_commands(path: pathlib.Path) -> list[str]:
+    """The inline code spans of `path` (outside fenced blocks) that
+    `INLINE_COMMAND` takes for a command."""
+    text = path.read_text()
+    outside = re.sub(
+        r"^[ \t]*(`{3,}|~{3,}).*?^[ \t]*\1[ \t]*$", "", text, flags=re.M | re.S
+    )
+    spans = re.findall(r"(?<!`)`([^`]+)`(?!`)", outside)
+    return [
+        " ".join(span.split())
+        for span in spans
+        if INLINE_COMMAND.match(" ".join(span.split()))
+    ]
+
+
+def _inline_problems(path: pathlib.Path, registry: dict[str, str]) -> list[str]:
+    name = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+    return [
+        f"{name}: the command `{command}` is run by no test. Run "
+        "it word for word in a test, through tests/doc_commands.py "
+        f'(`run_documented("{command}", ...)`), or add it to INLINE_NOT_RUN in '
+        "tests/test_docs_code_blocks.py with why it cannot run in the tests"
+        for command in _inline_commands(path)
+        if doc_commands.canonical(command) not in registry
+        and command not in INLINE_NOT_RUN
+    ]
+
+
+@pytest.mark.backend_neutral
+def test_every_inline_command_of_the_docs_runs_in_a_test_or_says_why_not(tmp_path):
+    registry = doc_commands.registered_commands()
+    found = {command for path in _documents() for command in _inline_commands(path)}
+    assert "KERAS_BACKEND=jax python examples/fine_tune_llm.py" in found
+    problems = [
+        problem for path in _documents() for problem in _inline_problems(path, registry)
+    ]
+    assert problems == [], "\n".join(problems)
+    assert set(INLINE_NOT_RUN) <= found, "INLINE_NOT_RUN names commands no page shows"
+    assert all(INLINE_NOT_RUN.values())
+    page = tmp_path / "new.md"
+    page.write_text(
+        "Run `python examples/new.py --fast` and `keras-dist devices`.\n"
+        "```bash\npython examples/in_a_block.py\n```\n"
+    )
+    assert _inline_commands(page) == ["python examples/new.py --fast"]
+    assert _inline_problems(page, {}) == [
+        "new.md: the command `python examples/new.py --fast` is run by no test. "
+        "Run it word for word in a test, through tests/doc_commands.py "
+        '(`run_documented("python examples/new.py --fast", ...)`), or add it to '
+        "INLINE_NOT_RUN in tests/test_docs_code_blocks.py with why it cannot run "
+        "in the tests"
+    ]
+    registered = {doc_commands.canonical("python examples/new.py --fast"): "x"}
+    assert _inline_problems(page, registered) == []
 
 
 def _block_environment() -> dict[str, str]:

@@ -1,14 +1,15 @@
-"""The PyTorch DDP example, run the way its docstring says: `keras-dist launch`."""
+"""The PyTorch examples, run the way docs/data-parallel.md and their docstrings
+say: `keras-dist launch --nproc-per-node 2 examples/...`, word for word."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import subprocess
-import sys
 
 import pytest
+
+from tests.doc_commands import documented_command, run_documented
 
 pytestmark = pytest.mark.backend("torch")
 
@@ -20,30 +21,20 @@ FINAL_LINE = re.compile(
 )
 
 
-def _clean_environment() -> dict[str, str]:
-    # The launcher sets the job's variables; none may leak in from the test run.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_DIST")}
-    env["KERAS_BACKEND"] = "torch"
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return env
-
-
-def _launch(example: pathlib.Path) -> subprocess.CompletedProcess:
-    """`keras-dist launch --nproc-per-node 2 example --epochs 4`."""
-    command = [sys.executable, "-m", "keras_dist", "launch", "--nproc-per-node", "2"]
-    return subprocess.run(
-        [*command, str(example), "--epochs", "4"],
-        cwd=REPO_ROOT,
-        env=_clean_environment(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+def _launch(command: str, directory: pathlib.Path) -> subprocess.CompletedProcess:
+    """`command`, as docs/data-parallel.md writes it (`tests/doc_commands.py`):
+    4 epochs, the examples' default."""
+    return run_documented(command, directory=directory, timeout=240)
 
 
 @pytest.fixture(scope="module")
-def launched() -> subprocess.CompletedProcess:
-    return _launch(EXAMPLE)
+def launched(tmp_path_factory) -> subprocess.CompletedProcess:
+    return _launch(
+        documented_command(
+            "keras-dist launch --nproc-per-node 2 examples/torch_ddp_convnet.py"
+        ),
+        tmp_path_factory.mktemp("ddp"),
+    )
 
 
 def _final_lines(stdout: str) -> dict[int, tuple[float, str]]:
@@ -87,9 +78,16 @@ def test_only_rank_zero_reports_progress(launched):
     assert not any(progress.search(line) for line in rank_1_errors)
 
 
-def test_model_parallel_example_shards_and_every_rank_ends_with_the_same_weights():
+def test_model_parallel_example_shards_and_every_rank_ends_with_the_same_weights(
+    tmp_path,
+):
     """`examples/torch_model_parallel.py` under `keras-dist launch`, 2 processes."""
-    launched = _launch(REPO_ROOT / "examples" / "torch_model_parallel.py")
+    launched = _launch(
+        documented_command(
+            "keras-dist launch --nproc-per-node 2 examples/torch_model_parallel.py"
+        ),
+        tmp_path,
+    )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     final = _final_lines(launched.stdout)
     assert sorted(final) == [0, 1], launched.stdout

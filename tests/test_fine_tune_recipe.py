@@ -1,15 +1,16 @@
 """The LLM fine-tuning recipe, `examples/fine_tune_llm.py` (docs/fine-tuning.md).
 
-PyTorch: the script under `keras-dist launch --nproc-per-node 2` (gloo), a
-tiny KerasHub Gemma under FSDP x tensor parallelism on a (1, 2) mesh with
-`remat="full"` and bfloat16 compute, `kd.Checkpoint` during `fit`: both
-processes generate the same tokens from the trained model and from a fresh
-one restored onto a (2, 1) mesh; with `--lora` only the LoRA factors train.
-Both runs in one job, one after the other, each as its command line runs it
-(`tests/workers/run_scripts.py`: one start-up).
+Every command of the page's "Run it" block runs word for word, as a user's
+shell would (`tests/doc_commands.py`), with no `--directory`: the default
+checkpoint directory must be one every process sees.
+PyTorch: `keras-dist launch --nproc-per-node 2` (gloo), a tiny KerasHub Gemma
+under FSDP x tensor parallelism on a (1, 2) mesh with `remat="full"` and
+bfloat16 compute, `kd.Checkpoint` during `fit`: both processes generate the
+same tokens from the trained model and from a fresh one restored onto a (2, 1)
+mesh; with `--lora` only the LoRA factors train.
+JAX: one process, 8 simulated devices, a (2, 4) mesh restored onto (4, 2).
 TensorFlow shards no variables: `--data-parallel` runs the recipe there, and
-FSDP with KerasHub's map is refused, naming what runs instead. On JAX the
-page's code blocks run the recipe (tests/test_docs_code_blocks.py).
+FSDP with KerasHub's map is refused, naming what runs instead.
 
 KerasHub 0.32 imports on Keras 3.15 only (not on the 3.16 previews): these
 tests are skipped, saying so, where `keras_hub` does not import. The LoRA
@@ -18,12 +19,11 @@ checkpoint test needs no KerasHub and runs on every backend.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import os
 import pathlib
 import re
-import shlex
-import subprocess
 import sys
 import warnings
 
@@ -32,7 +32,8 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from tests.multiprocess import RUN_SCRIPTS, once_per_run, runs_of
+from tests.doc_commands import documented_command, run_documented
+from tests.multiprocess import once_per_run
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "fine_tune_llm.py"
@@ -53,30 +54,23 @@ def _keras_hub_or_skip() -> None:
         )
 
 
-def _environment(backend: str, devices: int | None) -> dict[str, str]:
-    # The launcher sets the job's variables; none may leak in from the test run.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_DIST")}
-    env["KERAS_BACKEND"] = backend
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if devices is not None:
-        env["KERAS_DIST_CPU_DEVICES"] = str(devices)
-    return env
-
-
-def _run(
-    command: list[str], env: dict[str, str], timeout: float = 300
-) -> subprocess.CompletedProcess:
-    result = subprocess.run(
+def _run_documented(command: str, directory: pathlib.Path) -> str:
+    """`command` as the page writes it, from `directory`; its output (both
+    streams: the launcher prefixes each rank's lines)."""
+    result = run_documented(
         command,
-        cwd=REPO_ROOT,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        directory=directory,
+        # The default checkpoint directories go in here, not in the machine's.
+        env={"TMPDIR": str(_made(directory / "tmp"))},
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return result
+    return result.stdout
+
+
+def _made(directory: pathlib.Path) -> pathlib.Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
 
 
 def _report(stdout: str) -> dict[int, dict]:
@@ -101,45 +95,22 @@ def _report(stdout: str) -> dict[int, dict]:
     return ranks
 
 
-@pytest.fixture(scope="module")
-def torch_runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
-    """The recipe's two PyTorch runs, full fine-tuning then `--lora`, each as
-    its command line runs it, one after the other in one job under
-    `keras-dist launch --nproc-per-node 2` (`tests/workers/run_scripts.py`:
-    one start-up); each run's report, checked alike."""
+def _torch_run(tmp_path_factory, command: str, name: str) -> dict[int, dict]:
     _keras_hub_or_skip()
-    command = [sys.executable, "-m", "keras_dist", "launch", "--nproc-per-node", "2"]
-    runs = {"full": [], "lora": ["--lora"]}
-
-    def launch(directory: pathlib.Path) -> str:
-        scripts = [
-            shlex.join(
-                [str(EXAMPLE), "--steps", "2", "--directory", str(directory / name)]
-                + more
-            )
-            for name, more in runs.items()
-        ]
-        result = _run(
-            [*command, str(RUN_SCRIPTS), *scripts],
-            _environment("torch", None),
-            timeout=600,
-        )
-        return result.stdout
-
-    stdout = once_per_run(tmp_path_factory, "fine_tune_torch", launch)
-    outputs = runs_of(stdout)
-    assert sorted(outputs) == [0, 1], stdout[-3000:]
-    return {name: _checked_report(outputs[index]) for index, name in enumerate(runs)}
+    stdout = once_per_run(
+        tmp_path_factory, name, lambda directory: _run_documented(command, directory)
+    )
+    return _checked_report(stdout, mesh="{'batch': 1, 'model': 2}", ranks=[0, 1])
 
 
-def _checked_report(stdout: str) -> dict[int, dict]:
+def _checked_report(stdout: str, mesh: str, ranks: list[int]) -> dict[int, dict]:
     report = _report(stdout)
-    assert sorted(report) == [0, 1], stdout[-3000:]
-    for rank in (0, 1):
-        assert report[rank]["step"] == 2, stdout[-3000:]
+    assert sorted(report) == ranks, stdout[-3000:]
+    for rank in ranks:
+        assert report[rank]["step"] == 4, stdout[-3000:]  # the default --steps
         assert report[rank]["restored"] == report[rank]["trained"], stdout
         assert report[rank] == report[0]
-    assert "plan on {'batch': 1, 'model': 2}" in stdout
+    assert f"plan on {mesh}" in stdout
     tokens = np.asarray(report[0]["trained"])
     assert tokens.shape == (4, 12)
     # The prompts are kept and followed by tokens the model chose.
@@ -149,51 +120,91 @@ def _checked_report(stdout: str) -> dict[int, dict]:
 
 @pytest.mark.backend("torch")
 def test_torch_full_fine_tune_generates_the_same_after_restoring_onto_another_mesh(
-    torch_runs,
+    tmp_path_factory,
 ):
-    trained = torch_runs["full"][0]["variables"]
+    command = documented_command(
+        ".venv/bin/keras-dist launch --nproc-per-node 2 examples/fine_tune_llm.py"
+    )
+    report = _torch_run(tmp_path_factory, command, "fine_tune_torch_full")
+    trained = report[0]["variables"]
     # Every weight trains: 9 per decoder block, the final norm, the embeddings.
     assert len(trained) == 20 and "token_embedding/embeddings" in trained, trained
 
 
 @pytest.mark.backend("torch")
-def test_torch_lora_fine_tune_trains_only_the_lora_factors(torch_runs):
-    trained = torch_runs["lora"][0]["variables"]
+def test_torch_lora_fine_tune_trains_only_the_lora_factors(tmp_path_factory):
+    command = documented_command(
+        ".venv/bin/keras-dist launch --nproc-per-node 2 examples/fine_tune_llm.py "
+        "--lora"
+    )
+    report = _torch_run(tmp_path_factory, command, "fine_tune_torch_lora")
+    trained = report[0]["variables"]
     # Query and value, factors a and b, in each of the 2 decoder blocks.
     assert len(trained) == 8, trained
     assert all(re.search(r"/(query|value)/lora_kernel_[ab]$", p) for p in trained)
 
 
+@pytest.mark.backend("torch")
+def test_without_directory_several_processes_off_one_launcher_are_refused(
+    monkeypatch,
+):
+    """Under torchrun, SLURM or several hosts no default directory is one
+    every process sees: the example stops at once, naming `--directory`."""
+    _keras_hub_or_skip()
+    fine_tune_llm = _example_module()
+    monkeypatch.setattr(fine_tune_llm.kd, "num_processes", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("KERAS_DIST_JOB_DIR", "/job")
+    parser = argparse.ArgumentParser()
+    found = fine_tune_llm.shared_directory(parser, "fine_tune_llm_full")
+    assert found == os.path.join("/job", "fine_tune_llm_full")
+    for variable, value in (("LOCAL_WORLD_SIZE", "1"), ("KERAS_DIST_JOB_DIR", "")):
+        monkeypatch.setenv(variable, value)
+        with pytest.raises(SystemExit):
+            fine_tune_llm.shared_directory(parser, "fine_tune_llm_full")
+
+
+@pytest.mark.backend("jax")
+def test_jax_fine_tune_on_eight_devices_restores_onto_the_other_mesh(tmp_path):
+    _keras_hub_or_skip()
+    stdout = _run_documented(
+        documented_command(
+            "KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 .venv/bin/python "
+            "examples/fine_tune_llm.py"
+        ),
+        tmp_path,
+    )
+    report = _checked_report(stdout, mesh="{'batch': 2, 'model': 4}", ranks=[0])
+    assert len(report[0]["variables"]) == 20, report[0]["variables"]
+
+
 @pytest.mark.backend("tensorflow")
 def test_tensorflow_runs_the_recipe_data_parallel(tmp_path):
     _keras_hub_or_skip()
-    result = _run(
-        [
-            sys.executable,
-            str(EXAMPLE),
-            "--data-parallel",
-            "--lora",
-            "--steps",
-            "3",
-            "--directory",
-            str(tmp_path),
-        ],
-        _environment("tensorflow", 4),
+    stdout = _run_documented(
+        documented_command(
+            "KERAS_BACKEND=tensorflow KERAS_DIST_CPU_DEVICES=4 .venv/bin/python "
+            "examples/fine_tune_llm.py --data-parallel"
+        ),
+        tmp_path,
     )
-    report = _report(result.stdout)
-    assert report[0]["step"] == 3
-    assert report[0]["restored"] == report[0]["trained"], result.stdout
-    assert len(report[0]["variables"]) == 8, report[0]["variables"]
+    report = _checked_report(stdout, mesh="", ranks=[0])
+    assert len(report[0]["variables"]) == 20, report[0]["variables"]
 
 
-@pytest.mark.backend("tensorflow")
-def test_tensorflow_refuses_fsdp_with_keras_hub_layouts_naming_what_runs():
-    _keras_hub_or_skip()
+def _example_module():
     sys.path.insert(0, str(EXAMPLE.parent))
     try:
         import fine_tune_llm  # noqa: PLC0415
     finally:
         sys.path.remove(str(EXAMPLE.parent))
+    return fine_tune_llm
+
+
+@pytest.mark.backend("tensorflow")
+def test_tensorflow_refuses_fsdp_with_keras_hub_layouts_naming_what_runs():
+    _keras_hub_or_skip()
+    fine_tune_llm = _example_module()
     causal_lm = fine_tune_llm.build_causal_lm()
     mesh = kd.DeviceMesh((2, 2), ["batch", "model"], kd.list_devices()[:4])
     with pytest.raises(NotImplementedError, match="remat"):

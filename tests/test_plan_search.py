@@ -17,12 +17,16 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist import cli
+from keras_dist import cli, cli_search
 from keras_dist.backends import get_adapter
-from keras_dist.planner import Candidate
+from keras_dist.planner import Candidate, search_cache
 from keras_dist.planner.candidates import default_candidates, model_axis_sizes
 from keras_dist.planner.result import CompiledPlan, CompiledStep
-from keras_dist.planner.search_result import SearchResult, SearchResults
+from keras_dist.planner.search_result import (
+    SearchResult,
+    SearchResults,
+    render_table,
+)
 
 jax_only = pytest.mark.backend("jax")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -77,6 +81,7 @@ def picky_model():
 FSDP = Candidate("fsdp", {"batch": 8})
 FSDP_TP = Candidate("fsdp_tp", {"batch": 4, "model": 2})
 DATA_PARALLEL = Candidate("data_parallel", {"batch": 8})
+DP8 = ("data_parallel", {"batch": 8})
 
 
 @pytest.fixture
@@ -110,7 +115,7 @@ def test_candidates_rank_fits_first_then_peak_bytes_on_cpu():
     assert all(r.step_seconds is None for r in results)  # no roofline for CPUs
     text = str(results)
     assert "Plan search: tiny on cpu:8" in text
-    assert "no, " in text and " short" in text and "ranked by peak bytes" in text
+    assert "  no  " in text and " short " in text and "ranked by peak bytes" in text
     assert json.loads(json.dumps(results.to_dict()))["results"][0]["rank"] == 1
 
 
@@ -139,6 +144,111 @@ def test_fitting_candidates_rank_by_projected_step_time():
 
 
 # -- does not fit -----------------------------------------------------------------
+def _short(mesh: dict, peak: int, *, remat=None, temp: int = 30, arguments: int = 40):
+    figures = CompiledStep(
+        "train", 1.0, peak_bytes=peak, temp_bytes=temp, argument_bytes=arguments
+    )
+    compiled = CompiledPlan("cpu:8", "cpu", 8, 1, "f32", {"train": figures}, 100)
+    policy = "fsdp_tp" if "model" in mesh else "fsdp"
+    return SearchResult(Candidate(policy, mesh, remat), "compiled", compiled=compiled)
+
+
+@pytest.mark.backend_neutral
+def test_when_nothing_fits_candidates_rank_by_shortfall_then_screened_ones():
+    near = _short({"batch": 2, "model": 4}, 120)
+    far = _short({"batch": 8}, 300)
+    # Two as short as each other: the candidates' own order breaks the tie.
+    tie_a = _short({"batch": 4, "model": 2}, 200)
+    tie_b = _short({"batch": 1, "model": 8}, 200)
+    refused = SearchResult(
+        Candidate("fsdp", {"batch": 8}, "full"),
+        "compiled",
+        compiled=CompiledPlan(
+            "cpu:8",
+            "cpu",
+            8,
+            1,
+            "f32",
+            {"train": CompiledStep("train", 1.0, error="RESOURCE_EXHAUSTED")},
+            100,
+        ),
+    )
+    screened_far = SearchResult(
+        Candidate("data_parallel", {"batch": 8}), "screened", screened_shortfall=900
+    )
+    screened_near = SearchResult(
+        Candidate("data_parallel", {"batch": 8}, "full"),
+        "screened",
+        screened_shortfall=500,
+    )
+    everything = [screened_far, far, tie_b, refused, screened_near, near, tie_a]
+    expected = [near, tie_b, tie_a, far, refused, screened_near, screened_far]
+    for order in (everything, everything[::-1]):
+        results = SearchResults(list(order), title="t", notes=[], seconds=0)
+        assert list(results) == expected
+    assert [r.shortfall_bytes for r in expected] == [20, 100, 100, 200, None, 500, 900]
+    assert results.best is None and results.nearest is near
+    text = str(results)
+    assert "short" in text.splitlines()[1]  # a column of its own
+    assert (
+        "Nothing fits. The nearest: FSDP x TP, batch=2 model=4, remat off, 20 B "
+        in (text)
+    )
+    results = SearchResults(
+        [near, far], title="t", notes=[], seconds=0, batch_size=64, num_slices=1
+    )
+    steps = "\n".join(results.next_steps())
+    assert "a smaller batch (batch_size=32)" in steps
+    assert "Candidate('fsdp_tp', {'batch': 2, 'model': 4}, remat='full')" in steps
+    assert "num_slices=2, or a topology= of more chips" in steps
+    # The command says them as its flags.
+    flags = {**cli.PLAN_FLAGS, **cli_search.SEARCH_FLAGS}
+    said = render_table(results, lambda text: cli.as_flags(text, flags))
+    assert "a smaller batch (--batch-size 32)" in said
+    assert "--num-slices 2, or a --topology of more chips" in said
+    # A remat twin that was compiled is not suggested again; one the budget
+    # skipped is named with why.
+    twin = _short({"batch": 2, "model": 4}, 130, remat="full")
+    assert "- remat" not in "".join(
+        SearchResults([near, twin], title="t", notes=[], seconds=0).next_steps()
+    )
+    skipped = SearchResult(
+        Candidate("fsdp_tp", {"batch": 2, "model": 4}, "full"),
+        "skipped",
+        reason="not tried: the time budget of 1 s was spent",
+    )
+    assert "remat full was not tried: the time budget" in "".join(
+        SearchResults([near, skipped], title="t", notes=[], seconds=0).next_steps()
+    )
+    # Only state too large for the memory: more chips, nothing else.
+    alone = SearchResults([screened_near], title="t", notes=[], seconds=0).next_steps()
+    assert len(alone) == 2 and "its variables and optimizer state alone" in alone[1]
+
+
+@jax_only
+def test_nothing_fits_ranks_the_same_from_run_to_run_in_worker_processes():
+    def search():
+        return kd.plan_search(
+            tiny,
+            topology="cpu:8",
+            batch_size=64,
+            device_memory=60_000,
+            processes=2,
+            candidates=[DATA_PARALLEL, FSDP, FSDP_TP],
+        )
+
+    first, second = search(), search()
+    assert first.best is None
+    orders = [[r.candidate for r in results] for results in (first, second)]
+    assert orders[0] == orders[1]
+    assert orders[0][-1] == DATA_PARALLEL  # screened: after the compiled ones
+    shortfalls = [r.shortfall_bytes for r in first]
+    assert all(short > 0 for short in shortfalls)
+    assert shortfalls[:2] == sorted(shortfalls[:2])
+    assert first.nearest is first[0]
+    assert "Nothing fits. The nearest: " in str(first)
+
+
 @jax_only
 def test_a_candidate_too_large_is_reported_as_not_fitting_and_remat_tried():
     # Below the weights and moments per device: DataParallel is out before
@@ -150,7 +260,11 @@ def test_a_candidate_too_large_is_reported_as_not_fitting_and_remat_tried():
         device_memory=WEIGHTS_AND_MOMENTS // 2,
         candidates=["data_parallel", "fsdp"],
     )
-    by = {(r.policy, r.remat): r for r in results}
+    by = {
+        (r.policy, r.remat): r
+        for r in results
+        if not (r.candidate.offload or r.candidate.optimizer_state_dtype)
+    }
     screened = by[("data_parallel", None)]
     assert screened.status == "screened" and screened.fits is False
     assert "variables and optimizer state alone need" in screened.reason
@@ -162,6 +276,120 @@ def test_a_candidate_too_large_is_reported_as_not_fitting_and_remat_tried():
     skipped = by[("fsdp", "full")]
     assert skipped.status == "skipped" and "remat off fits" in skipped.reason
     assert "no (static)" in str(results)
+    # What does not fit gets its memory savers; what fits roomily does not.
+    savers = {r.candidate: r for r in results if r.policy == "data_parallel"}
+    offloaded = Candidate("data_parallel", {"batch": 8}, offload="optimizer")
+    half = Candidate("data_parallel", {"batch": 8}, optimizer_state_dtype="bfloat16")
+    assert set(savers) >= {offloaded, half, Candidate(*DP8, remat="dots")}
+    # Its moments live on the host: not screened, compiled, and moved.
+    assert savers[offloaded].status == "compiled", savers[offloaded]
+    train = savers[offloaded].compiled.steps["train"]
+    assert train.host_to_device_bytes >= 2 * 4 * WEIGHTS  # both moments, in
+    assert train.device_to_host_bytes >= 2 * 4 * WEIGHTS  # and out
+    assert savers[half].status == "screened"  # weights + bf16 moments > memory
+    assert not [
+        r
+        for r in results
+        if r.policy == "fsdp" and not r.candidate.plain and r.remat is None
+    ]
+    assert "offload optimizer" in str(results)
+
+
+@jax_only
+def test_savers_are_not_added_to_candidates_given():
+    results = kd.plan_search(
+        tiny,
+        topology="cpu:8",
+        batch_size=64,
+        device_memory=WEIGHTS_AND_MOMENTS // 2,
+        candidates=[DATA_PARALLEL],
+    )
+    assert [r.candidate for r in results] == [DATA_PARALLEL]
+
+
+@pytest.mark.backend_neutral
+def test_candidates_refuse_unknown_offload_and_state_dtypes():
+    with pytest.raises(ValueError, match="`offload` must be one of"):
+        Candidate(*DP8, offload="everything")
+    with pytest.raises(ValueError, match="`optimizer_state_dtype` must be one of"):
+        Candidate(*DP8, optimizer_state_dtype="int8")
+    saver = Candidate(*DP8, offload="optimizer", optimizer_state_dtype="bfloat16")
+    assert saver.description.endswith(
+        "remat off, offload optimizer, bfloat16 optimizer state"
+    )
+    assert saver.twin == DATA_PARALLEL and not saver.plain and DATA_PARALLEL.plain
+    assert saver.savers() == []  # only a plain candidate has savers
+    assert DATA_PARALLEL.to_dict() == {
+        "policy": "data_parallel",
+        "mesh": {"batch": 8},
+        "remat": None,
+    }
+
+
+# -- the largest batch ------------------------------------------------------------
+@pytest.mark.backend_neutral
+def test_the_largest_batch_doubles_then_bisects_in_steps(monkeypatch):
+    from keras_dist.planner import batch_search  # noqa: PLC0415
+
+    asked = []
+
+    def fits_at(batch):
+        asked.append(batch)
+        return batch <= 100
+
+    found = batch_search.largest_batch(FSDP, fits_at, 8, 8, None)
+    assert (found.batch_size, found.too_large) == (96, 104) and found.exact
+    assert asked[:4] == [16, 32, 64, 128] and len(asked) <= batch_search.MAX_COMPILES
+    assert "fits FSDP, batch=8, remat off: 96 (104 does not)" in str(found)
+    monkeypatch.setattr(batch_search, "MAX_COMPILES", 2)
+    capped = batch_search.largest_batch(FSDP, fits_at, 8, 8, None)
+    assert capped.batch_size == 32 and capped.too_large is None
+    assert "stopped after 2 compiles" in str(capped) and not capped.exact
+    unknown = batch_search.largest_batch(FSDP, lambda batch: None, 8, 8, None)
+    assert "whether batch 16 fits is not known" in str(unknown)
+    spent = batch_search.largest_batch(FSDP, fits_at, 8, 8, 0.0)
+    assert "the time budget was spent" in str(spent) and spent.batch_size == 8
+
+
+@jax_only
+def test_the_largest_batch_that_fits_is_found_by_compiling():
+    small = kd.plan(tiny, kd.FSDP, topology="cpu:8", batch_size=64)
+    large = kd.plan(tiny, kd.FSDP, topology="cpu:8", batch_size=128)
+    memory = (small.compiled.peak_bytes + large.compiled.peak_bytes) // 2
+    results = kd.plan_search(
+        tiny,
+        topology="cpu:8",
+        batch_size=64,
+        device_memory=memory,
+        candidates=[FSDP],
+        largest_batch=True,
+    )
+    found = results.largest_batch
+    assert found.candidate == FSDP and 64 <= found.batch_size < 128
+    assert len(found.tried) <= 4  # 128, then halving 64 to 128 in steps of 8
+    assert found.exact and found.too_large - found.batch_size == 8, found
+    assert str(found) in str(results)
+    at = kd.plan(
+        tiny,
+        kd.FSDP,
+        topology="cpu:8",
+        batch_size=found.batch_size,
+        device_memory=memory,
+    )
+    above = kd.plan(
+        tiny,
+        kd.FSDP,
+        topology="cpu:8",
+        batch_size=found.too_large,
+        device_memory=memory,
+    )
+    assert at.fits is True and above.fits is False
+    # Nothing known to fit: nothing searched, and said.
+    unknown = kd.plan_search(
+        tiny, topology="cpu:8", batch_size=64, candidates=[FSDP], largest_batch=True
+    )
+    assert unknown.largest_batch is None
+    assert "largest_batch=True: not searched" in str(unknown)
 
 
 # -- the time budget --------------------------------------------------------------
@@ -250,7 +478,7 @@ def test_an_unreadable_cache_entry_is_compiled_again(tmp_path):
         tiny, topology="cpu:8", batch_size=64, cache_dir=tmp_path, candidates=[FSDP]
     )
     assert again[0].status == "compiled"
-    assert json.loads(entry.read_text())["format"] == 1
+    assert json.loads(entry.read_text())["format"] == search_cache.FORMAT
 
 
 # -- the distribution, in a real fit ------------------------------------------------
@@ -546,7 +774,10 @@ def test_keras_dist_plan_search_prints_the_ranked_table(command):
     status, out, err = command(
         *search, "--time-budget", "0.001", "--device-memory", "10"
     )
-    assert status == 1 and "no candidate fits" in err
+    assert status == 1 and "no candidate fits; the nearest, DataParallel" in err
+    # What to try next, in flags: only more devices help state too large.
+    assert "Nothing fits. The nearest: DataParallel, batch=8, remat off" in out
+    assert "a --topology of more devices" in out
 
 
 @jax_only

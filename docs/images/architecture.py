@@ -33,7 +33,7 @@ LAYERS = [
         "public",
     ),
     ("callback.py  trainer.py", "DistributeCallback, the Trainer mixin", "public"),
-    ("layouts  schedules  flops  callbacks/", "public helpers", "public"),
+    ("schedules  flops  callbacks/", "public helpers", "public"),
     (
         "checkpoint/",
         "Checkpoint, restore, export; store, engines, preemption, keys",
@@ -44,10 +44,19 @@ LAYERS = [
         "session.py: turn a run on and off; saving.py: process 0 writes every file",
         "feature",
     ),
-    ("planner/", "plan, slots, result, report", "feature"),
+    (
+        "planner/",
+        "plan (layouts and memory from shapes), plan_search (compiled candidates)",
+        "feature",
+    ),
+    (
+        "layouts.py",
+        "the layout presets: tensor_parallel, for_keras_hub",
+        "core",
+    ),
     (
         "distribution/",
-        "mesh, layout_map, policies, state: what the user describes",
+        "mesh, layout_map, policies, state, remat: what the user describes",
         "core",
     ),
     (

@@ -223,6 +223,12 @@ class BackendAdapter(abc.ABC):
         None by default."""
         return False
 
+    def joined_on_its_own(self) -> tuple[int, int] | None:
+        """`(process count, rank)` of the job the backend joined without
+        keras_dist (the script called `jax.distributed.initialize()` before
+        `initialize()`), or None (the default). Never starts the backend."""
+        return None
+
     def join_detected_cluster(self, *, timeout_seconds: float) -> bool:
         """Join the job the backend's own cluster detection finds, if any.
 
@@ -251,11 +257,23 @@ class BackendAdapter(abc.ABC):
         raise self._no_compiled_plan()
 
     def topology_mesh_devices(
-        self, devices: list[Any], shape: tuple[int, ...], num_slices: int
+        self,
+        devices: list[Any],
+        shape: tuple[int, ...],
+        num_slices: int,
+        slice_axis: int | None = None,
     ) -> Any:
         """`devices` as an array of the mesh's `shape`, laid out along the
-        topology's links."""
+        topology's links; with several slices, axis `slice_axis` (default:
+        the first the slice count divides) spans them."""
         raise self._no_compiled_plan()
+
+    def last_batch_shapes(self) -> Any:
+        """The shapes and dtypes of the last global batch a run laid out in
+        this process (the batch's structure, before padding), or None when
+        the backend does not record it (the plan of a call that ran out of
+        memory compiles its step at that batch)."""
+        return None
 
     def compile_steps(
         self, model: Any, distribution: Any, data: Any, kinds: tuple[str, ...]
@@ -275,6 +293,29 @@ class BackendAdapter(abc.ABC):
         already the global one when this is called.
         """
 
+    def state_placement_problem(self, placement: Any) -> str | None:
+        """Why this backend cannot keep the optimizer's state as `placement`
+        (a `StatePlacement`: `offload=`, `optimizer_state_dtype=`) says, or
+        None when it can. Only JAX can."""
+        asked = [
+            f"{name}={value!r}"
+            for name, value in (
+                ("offload", placement.offload),
+                ("optimizer_state_dtype", placement.optimizer_state_dtype),
+            )
+            if value is not None
+        ]
+        why = {
+            "torch": " (keras_dist's PyTorch FSDP shards through DTensor, not "
+            "FSDP2's `fully_shard`, so FSDP2's `CPUOffloadPolicy` does not "
+            "apply, and DDP has no offload)",
+        }.get(self.name, "")
+        return (
+            f"{', '.join(asked)} is implemented on the JAX backend only, not on "
+            f"{self.name}{why}. Run with KERAS_BACKEND=jax, or leave "
+            "`offload` and `optimizer_state_dtype` at None."
+        )
+
     def call_starting(self, model: Any, name: str, distribution: Any) -> Any:
         """A context manager around a whole Keras call `name` (`"fit"`,
         `"evaluate"`, `"predict"`) on `model`, `distribution` being the one a
@@ -283,6 +324,15 @@ class BackendAdapter(abc.ABC):
         slots included), left after the call's run ended. Nothing by
         default."""
         return contextlib.nullcontext()
+
+    def wait_for_steps(self, model: Any) -> None:
+        """Return once every step dispatched for `model` has run; a step that
+        failed on a device raises its engine's error here. Called at the end
+        of each epoch and of each distributed call, never per step. PyTorch
+        and TensorFlow raise a step's error from the step itself (their steps
+        run before the call that dispatched them returns): nothing to wait
+        for by default."""
+        return None
 
     def scope(self, distribution: Any) -> Any:
         """A context manager entered by `distribution.scope()`, after the

@@ -64,7 +64,7 @@ def restore(
         )
     damaged.check_on_damaged(on_damaged)
     # As kd.Checkpoint: Orbax (JAX) reads absolute paths only.
-    directory = os.path.abspath(os.fspath(directory))
+    directory = store.local_directory(directory, "kd.restore")
     if step is not None:
         return _restore_step(model, directory, step)
     restored = damaged.restore_newest(

@@ -19,6 +19,7 @@ from keras_dist.checkpoint import engine as engines
 from keras_dist.checkpoint import state as checkpoint_state
 from keras_dist.checkpoint.keys import saveable_variables
 from keras_dist.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preemption
+from keras_dist.checkpoint.same_directory import require_same_directory
 from keras_dist.common import job, random_streams
 from keras_dist.faults import heartbeat, lifecycle
 from keras_dist.keras_compat.callbacks import calling_callback_list
@@ -59,7 +60,8 @@ class Checkpoint(keras.callbacks.Callback):
     checkpoint appears atomically (`step-<N>/`, written as `.tmp-step-<N>/`
     and renamed once complete): a process killed at any moment leaves the
     previous checkpoint or the new one. `directory` must be one every process
-    sees (a shared file system across hosts).
+    sees (a shared file system across hosts): processes given different paths
+    are refused with a `ValueError` naming them when `fit` starts.
 
     A SIGTERM or SIGUSR1 to any process makes every process save at one
     agreed step (a few steps later) and exit with status 75
@@ -161,7 +163,7 @@ class Checkpoint(keras.callbacks.Callback):
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be True or False. Received: {value!r}")
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = store.local_directory(directory, "kd.Checkpoint")
         # Found now, not after a whole epoch at the first save; whether it is
         # writable is tried when `fit` starts (each process creates nothing
         # before).
@@ -192,6 +194,10 @@ class Checkpoint(keras.callbacks.Callback):
         self._rank = adapter.process_id()
         self._processes = adapter.num_processes()
         self._timeout = job.timeout_seconds()
+        # Before anything is written: one directory (not a per-rank TMPDIR).
+        require_same_directory(
+            self.directory, what="kd.Checkpoint", timeout_seconds=self._timeout
+        )
         store.ensure_writable(self.directory, self._rank)
         self._preemption = Preemption(self.directory, self._rank, self._processes)
         self._preemption.start()

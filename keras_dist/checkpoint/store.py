@@ -32,6 +32,27 @@ _TEMPORARY = re.compile(r"^\.tmp-step-(\d+)$")
 _MANIFEST_KEYS = ("engine", "entries", "step")
 
 
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def local_directory(directory: str | os.PathLike, what: str) -> str:
+    """`directory` as an absolute path of this machine's file system, which
+    the manifest, the renames and the engines' files all need. A URL
+    (`gs://bucket/run`) is refused rather than written under a local
+    directory named after its scheme (`./gs:/bucket/run`)."""
+    path = os.fspath(directory)
+    url = _URL.match(path)
+    if url is not None:
+        raise ValueError(
+            f"{what} reads and writes a directory of the file system, not a URL: "
+            f"{path!r} would be a local directory named {url.group(1) + ':'!r}. "
+            "Mount the bucket on every host (Cloud Storage FUSE: `gcsfuse "
+            "--implicit-dirs BUCKET /mnt/BUCKET`, or an NFS share) and pass the "
+            f"mounted path, e.g. '/mnt/BUCKET/run'. Received: directory={path!r}"
+        )
+    return os.path.abspath(path)
+
+
 def directory_problem(directory: str) -> str | None:
     """Why `directory` cannot hold checkpoints, judged from what exists (no
     file is created): it is a file, or lies under one. None when it can."""

@@ -35,6 +35,9 @@ class DeviceKind(NamedTuple):
             engine reports it (JAX's `memory_stats()["bytes_limit"]`), where
             it was read on such a device; None where only the data sheet's
             `memory_bytes` is known. The runtime keeps the rest.
+        host_bandwidth: bytes per second one chip moves between its host's
+            memory and its own in one direction (PCIe), or None. Read by the
+            compiled plan's roofline for state offloaded to the host.
     """
 
     pattern: str
@@ -45,6 +48,7 @@ class DeviceKind(NamedTuple):
     interconnect_bandwidth: float | None = None
     network_bandwidth: float | None = None
     usable_bytes: int | None = None
+    host_bandwidth: float | None = None
 
 
 _GIB = 2**30
@@ -67,7 +71,12 @@ _KINDS: tuple[DeviceKind, ...] = (
     # TPUs: Google Cloud's TPU system-architecture pages (v4, v5e, v5p, v6e):
     # peak bf16 per chip, HBM capacity and bandwidth, bidirectional ICI per
     # chip, and the data-center network per chip (v5e: 6.4 Tbps a 256-chip
-    # pod; v5p: 50 Gbps a chip). None where the page gives no figure.
+    # pod; v5p: 50 Gbps a chip). None where the page gives no figure. Host
+    # bandwidth (PCIe, one way, a chip): Google's "How to Scale Your Model"
+    # (jax-ml.github.io/scaling-book, "How to Think About TPUs") works with
+    # 1.5e10 bytes/s; Cloud's pages give none. On a v5e chip a step moving
+    # 512 MiB each way took 59.2 ms, 9.1 GB/s each way at once (JAX 0.10.2,
+    # benchmarks/host_transfer_check.py).
     DeviceKind(r"^tpu v4$", 275e12, 275e12, 32 * _GIB, 1200 * _GB),
     DeviceKind(
         r"^tpu v5 lite$|^tpu v5e$",
@@ -79,12 +88,19 @@ _KINDS: tuple[DeviceKind, ...] = (
         6.4e12 / 8 / 256,
         # `bytes_limit` on a v5e chip (JAX 0.10.2, libtpu 0.0.42): 15.75 GiB.
         int(15.75 * _GIB),
+        host_bandwidth=15 * _GB,
     ),
     DeviceKind(
         r"^tpu v5p?$", 459e12, 459e12, 95 * _GIB, 2765 * _GB, 1200 * _GB, 50e9 / 8
     ),
     DeviceKind(
-        r"^tpu v6 lite$|^tpu v6e$", 918e12, 918e12, 32 * _GIB, 1638 * _GB, 800 * _GB
+        r"^tpu v6 lite$|^tpu v6e$",
+        918e12,
+        918e12,
+        32 * _GIB,
+        1638 * _GB,
+        800 * _GB,
+        host_bandwidth=15 * _GB,
     ),
 )
 

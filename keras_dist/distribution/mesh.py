@@ -253,3 +253,15 @@ class TensorLayout(keras.distribution.TensorLayout):
 
     def __repr__(self) -> str:
         return f"<TensorLayout axes={self._axes}, device_mesh={self._device_mesh}>"
+
+
+def check_mesh(device_mesh: Any) -> Any:
+    """`device_mesh` if it is a `DeviceMesh` (keras_dist's or Keras'), else
+    `TypeError`."""
+    if not isinstance(device_mesh, keras.distribution.DeviceMesh):
+        raise TypeError(
+            "`device_mesh` must be a DeviceMesh (keras_dist's or Keras'). "
+            f"Received: device_mesh={device_mesh!r} of type "
+            f"{type(device_mesh).__name__}"
+        )
+    return device_mesh

@@ -16,10 +16,12 @@ from keras_dist.distribution.layout_map import lora_axes, lora_base_path
 from keras_dist.distribution.mesh import (
     DeviceMesh,
     TensorLayout,
+    check_mesh,
     describe_mesh,
     validate_axes_in_mesh,
 )
 from keras_dist.distribution.mixed_precision import check_mixed_precision
+from keras_dist.distribution.placement import PlacesState, state_placement
 from keras_dist.distribution.remat import check_remat
 from keras_dist.keras_compat.data_adapters import (
     is_tf_dataset,
@@ -36,17 +38,7 @@ def same_mesh(first: Any, second: Any) -> bool:
     return first is second or describe_mesh(first) == describe_mesh(second)
 
 
-def _check_mesh(device_mesh: Any) -> Any:
-    if not isinstance(device_mesh, keras.distribution.DeviceMesh):
-        raise TypeError(
-            "`device_mesh` must be a DeviceMesh (keras_dist's or Keras'). "
-            f"Received: device_mesh={device_mesh!r} of type "
-            f"{type(device_mesh).__name__}"
-        )
-    return device_mesh
-
-
-class Distribution(KerasDistribution):
+class Distribution(PlacesState, KerasDistribution):
     """Base class of the policies: a mesh plus where data and variables go.
 
     Args:
@@ -59,18 +51,20 @@ class Distribution(KerasDistribution):
         remat: keyword only. Activation checkpointing: recompute layers'
             activations in the backward pass instead of keeping them, for
             less memory at the cost of one more forward computation. A mode
-            of Keras' `keras.RematScope` (`"full"`, `"activations"`,
-            `"larger_than"`), a policy (`"dots"`, `"offload"`: see
-            `remat.REMAT_POLICIES`) or a `keras.RematScope` (for
-            `"list_of_layers"` with `layer_names`, or a threshold). The model's
-            layers get the
-            mode for each call, as if built inside the scope; layers whose
-            call updates state (Dropout, BatchNormalization) are left out,
-            saying so, and `"full"` recomputes the outermost layers that
-            qualify, each as one piece (a model inside the model, such as
-            a KerasHub backbone, is looked into: its blocks are the
-            pieces). Training is unchanged. JAX and
-            PyTorch (TensorFlow raises `NotImplementedError`).
+            of `keras.RematScope` (`"full"`, `"activations"`, `"larger_than"`),
+            a policy (`"dots"`, `"offload"`: `remat.REMAT_POLICIES`) or a
+            `keras.RematScope` (`"list_of_layers"` with `layer_names`, a
+            threshold). The model's layers get the mode for each call, as
+            if built inside the scope; layers whose call updates state
+            (Dropout, BatchNormalization) are left out, saying so, and
+            `"full"` recomputes the outermost layers that qualify, each as
+            one piece (a model inside the model, such as a KerasHub
+            backbone, is looked into: its blocks are the pieces). Training
+            is unchanged. JAX and PyTorch (TensorFlow: `NotImplementedError`).
+        offload: keyword only. `"optimizer"`: the optimizer's slots in host
+            memory between steps (see `PlacesState`; JAX only).
+        optimizer_state_dtype: keyword only. The slots' dtype, e.g.
+            `"bfloat16"`, updated in float32 (see `PlacesState`; JAX only).
     """
 
     #: Capabilities the backend adapters read (they never ask for a type).
@@ -93,9 +87,12 @@ class Distribution(KerasDistribution):
         auto_shard_dataset: bool = True,
         *,
         remat: Any = None,
+        offload: Any = None,
+        optimizer_state_dtype: Any = None,
     ):
         self._remat = check_remat(remat)
-        self._device_mesh = _check_mesh(device_mesh)
+        self._state_placement = state_placement(offload, optimizer_state_dtype)
+        self._device_mesh = check_mesh(device_mesh)
         if batch_dim_name is None:
             batch_dim_name = device_mesh.axis_names[0]
         if batch_dim_name not in device_mesh.axis_names:
@@ -266,6 +263,7 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
         remat: keyword only; see `Distribution`.
 
     With neither argument, every device of `list_devices()` is used.
+    `offload=` and `optimizer_state_dtype=` (keyword only): see `Distribution`.
 
     Example:
 
@@ -282,6 +280,8 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
         *,
         sync_batch_norm: bool = True,
         remat: Any = None,
+        offload: Any = None,
+        optimizer_state_dtype: Any = None,
     ):
         if not isinstance(sync_batch_norm, bool):
             raise TypeError(
@@ -310,7 +310,7 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
                     "`devices` must name at least one device. Received: devices=[]"
                 )
             device_mesh = DeviceMesh((len(devices),), [DEFAULT_BATCH_DIM_NAME], devices)
-        _check_mesh(device_mesh)
+        check_mesh(device_mesh)
         if len(device_mesh.shape) != 1:
             job.warn_once(
                 f"DataParallel splits the batch along the first mesh axis "
@@ -321,7 +321,12 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
                 stacklevel=2,
             )
         super().__init__(
-            device_mesh, device_mesh.axis_names[0], auto_shard_dataset, remat=remat
+            device_mesh,
+            device_mesh.axis_names[0],
+            auto_shard_dataset,
+            remat=remat,
+            offload=offload,
+            optimizer_state_dtype=optimizer_state_dtype,
         )
 
     @property
@@ -353,6 +358,8 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
             `reduce_dtype`. None (the default): each layer as its own Keras
             dtype policy says.
 
+    `offload=` and `optimizer_state_dtype=` (keyword only): see `Distribution`.
+
     Example:
 
     >>> mesh = keras_dist.DeviceMesh((1, 1), ["batch", "model"], ["cpu:0"])
@@ -372,6 +379,8 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
         *,
         remat: Any = None,
         mixed_precision: Any = None,
+        offload: Any = None,
+        optimizer_state_dtype: Any = None,
     ):
         self._mixed_precision = check_mixed_precision(mixed_precision)
         if layout_map is None:
@@ -393,7 +402,7 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
                 "ModelParallel needs a mesh: pass `device_mesh=` or build the "
                 "LayoutMap with one."
             )
-        _check_mesh(device_mesh)
+        check_mesh(device_mesh)
         if map_mesh is not None and not same_mesh(device_mesh, map_mesh):
             raise ValueError(
                 "`device_mesh` and `layout_map.device_mesh` differ; pass one of "
@@ -412,7 +421,14 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
                 ) from None
             layout = layout_map[key]
             validate_axes_in_mesh(layout.axes, device_mesh)
-        super().__init__(device_mesh, batch_dim_name, auto_shard_dataset, remat=remat)
+        super().__init__(
+            device_mesh,
+            batch_dim_name,
+            auto_shard_dataset,
+            remat=remat,
+            offload=offload,
+            optimizer_state_dtype=optimizer_state_dtype,
+        )
         self._layout_map = layout_map
         # A LoRA factor's kernel rank, by the kernel's path (`_lora_layout`).
         self._kernel_ranks: dict[str, int] = {}
@@ -483,10 +499,6 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
         return self._on_mesh(self._layout_map[path])
 
 
-def _is_floating(dtype: Any) -> bool:
-    return "float" in keras.backend.standardize_dtype(dtype)
-
-
 class FSDP(ModelParallel):
     """Fully sharded data parallelism (ZeRO-3): every large variable split
     along the data axis, batches split along the same axis.
@@ -549,6 +561,8 @@ class FSDP(ModelParallel):
             this distribution gathers the state back first. On JAX the state
             is a sharded array either way; TensorFlow does not split it.
 
+    `offload=` and `optimizer_state_dtype=` (keyword only): see `Distribution`.
+
     Example:
 
     >>> distribution = keras_dist.FSDP(devices=["cpu:0"])
@@ -570,6 +584,8 @@ class FSDP(ModelParallel):
         remat: Any = None,
         keep_optimizer_sharded: bool = True,
         mixed_precision: Any = None,
+        offload: Any = None,
+        optimizer_state_dtype: Any = None,
     ):
         if not isinstance(keep_optimizer_sharded, bool):
             raise TypeError(
@@ -601,7 +617,7 @@ class FSDP(ModelParallel):
                 devices = runtime.list_devices()
             devices = list(np.asarray(devices, dtype=object).reshape(-1))
             device_mesh = DeviceMesh((len(devices),), [axis], devices)
-        _check_mesh(device_mesh)
+        check_mesh(device_mesh)
         if axis not in device_mesh.axis_names:
             raise ValueError(
                 f"`axis` must be an axis of the mesh, one of "
@@ -621,6 +637,8 @@ class FSDP(ModelParallel):
             auto_shard_dataset,
             remat=remat,
             mixed_precision=mixed_precision,
+            offload=offload,
+            optimizer_state_dtype=optimizer_state_dtype,
         )
 
     @property
@@ -642,7 +660,7 @@ class FSDP(ModelParallel):
     ) -> int | None:
         """The dimension `axis` splits for a variable with this `path`,
         `shape`, `dtype` and layout-map `axes`, or None (replicated)."""
-        if self._axis in axes or not _is_floating(dtype):
+        if self._axis in axes or "float" not in keras.backend.standardize_dtype(dtype):
             return None
         if int(np.prod(shape, dtype=np.int64)) < self._min_size:
             return None

@@ -47,17 +47,60 @@ def _on_instance(optimizer: Any, name: str, method: Callable) -> Iterator[None]:
             setattr(optimizer, name, own)
 
 
+# Slots Keras' base optimizer makes from a variable for itself (`build`): they
+# are not read by `update_step`, and are no state to offload or narrow.
+BOOKKEEPING_SLOTS = ("gradient_accumulator", "average")
+
+
+def is_state_slot(slot: Any) -> bool:
+    """Whether an optimizer slot (or its name or path) is state its
+    `update_step` keeps (Adam's moments, SGD's momentum), not a gradient
+    accumulator or an EMA average."""
+    name = slot if isinstance(slot, str) else slot.name
+    return not str(name).endswith(tuple(f"_{n}" for n in BOOKKEEPING_SLOTS))
+
+
+def state_slots(optimizer: Any, model_variables: list[Any]) -> dict[int, list[Any]]:
+    """Each model variable's state slots (`is_state_slot`), by its `id`."""
+    slots: dict[int, list[Any]] = {}
+    owners = slot_owners(optimizer, model_variables)
+    for slot in optimizer.variables:
+        owner = owners.get(id(slot))
+        if owner is not None and is_state_slot(slot):
+            slots.setdefault(id(owner), []).append(slot)
+    return slots
+
+
 @contextlib.contextmanager
-def each_new_slot(optimizer: Any, made: Callable[[Any, Any], None]) -> Iterator[None]:
+def each_new_slot(
+    optimizer: Any, made: Callable[[Any, Any], None], *, state_dtype: Any = None
+) -> Iterator[None]:
     """While the block runs, `made(reference, slot)` is called as soon as the
     optimizer makes a slot for a model variable
     (`Optimizer.add_variable_from_reference`, which every Keras optimizer's
     `build` uses), before the next one is made: FSDP shards each slot then,
-    so the whole set is never held full size."""
+    so the whole set is never held full size. `state_dtype(reference)`, if
+    given, is the dtype each state slot (`is_state_slot`) is made in."""
     original = optimizer.add_variable_from_reference
+    add_variable = optimizer.add_variable
 
-    def add_variable_from_reference(reference: Any, *args: Any, **kwargs: Any) -> Any:
-        slot = original(reference, *args, **kwargs)
+    def add_variable_from_reference(*args: Any, **kwargs: Any) -> Any:
+        # As Keras calls it: (reference_variable, name=None, initializer=...),
+        # by position or keyword (Adafactor names `reference_variable=`).
+        reference = args[0] if args else kwargs["reference_variable"]
+        name = kwargs.get("name", args[1] if len(args) > 1 else None)
+        dtype = None
+        if state_dtype is not None and name not in BOOKKEEPING_SLOTS:
+            dtype = state_dtype(reference)
+        if dtype is None:
+            slot = original(*args, **kwargs)
+        else:
+
+            def in_dtype(*inner: Any, **options: Any) -> Any:
+                return add_variable(*inner, **{**options, "dtype": dtype})
+
+            with _on_instance(optimizer, "add_variable", in_dtype):
+                slot = original(*args, **kwargs)
         made(reference, slot)
         return slot
 
@@ -65,6 +108,67 @@ def each_new_slot(optimizer: Any, made: Callable[[Any, Any], None]) -> Iterator[
         optimizer, "add_variable_from_reference", add_variable_from_reference
     ):
         yield
+
+
+def update_each_variable(
+    optimizer: Any, update: Callable[[list, list, Any], None]
+) -> Callable[[], None]:
+    """Have the optimizer's backend update (`_backend_update_step(grads,
+    variables, learning_rate)`, which calls `update_step` once per variable)
+    be `update(grads, variables, learning_rate)` until the returned function
+    is called."""
+    own = vars(optimizer).get("_backend_update_step")
+    optimizer._backend_update_step = lambda g, v, lr: update(list(g), list(v), lr)
+
+    def undo() -> None:
+        if own is None:
+            vars(optimizer).pop("_backend_update_step", None)
+        else:
+            optimizer._backend_update_step = own
+
+    return undo
+
+
+def micro_step_counter(optimizer: Any) -> Any:
+    """The variable counting every `apply` (`Optimizer._iterations`), which
+    `iterations` divides by `gradient_accumulation_steps`."""
+    return optimizer._iterations
+
+
+def stateless_scope() -> Any:
+    """The `StatelessScope` a stateless update (`stateless_apply`) runs in,
+    whose mapping from variables to values it reads and updates."""
+    from keras.src.backend.common import stateless_scope as scopes  # noqa: PLC0415
+
+    scope = scopes.get_stateless_scope()
+    if scope is None:
+        raise RuntimeError("No StatelessScope is active.")
+    return scope
+
+
+def scope_values(scope: Any) -> dict[int, Any]:
+    """A copy of `scope`'s mapping (variable id to value), for `restore`."""
+    return dict(scope.state_mapping)
+
+
+def restore_scope_values(scope: Any, values: dict[int, Any]) -> None:
+    scope.state_mapping.clear()
+    scope.state_mapping.update(values)
+
+
+@contextlib.contextmanager
+def read_and_assigned_as(variables: list[Any], dtype: str) -> Iterator[None]:
+    """While the block runs, `variables` read and assign in `dtype` (their
+    `dtype` is it), so an update of a low-precision slot computes in float32
+    throughout instead of rounding at each assign."""
+    kept = [variable._dtype for variable in variables]
+    for variable in variables:
+        variable._dtype = dtype
+    try:
+        yield
+    finally:
+        for variable, old in zip(variables, kept, strict=True):
+            variable._dtype = old
 
 
 @contextlib.contextmanager
@@ -157,4 +261,45 @@ def check() -> list[str]:
         missing.append(
             "Optimizer.build makes its slots through self.add_variable_from_reference"
         )
-    return missing + _check_update_in_pieces()
+    return missing + _check_update_in_pieces() + _check_state_hooks()
+
+
+def _check_state_hooks() -> list[str]:
+    import keras  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    dense = keras.layers.Dense(2, name="probe")
+    dense.build((None, 3))
+    adam = keras.optimizers.Adam(gradient_accumulation_steps=2)
+    with each_new_slot(adam, lambda ref, slot: None, state_dtype=lambda ref: "float16"):
+        adam.build(dense.trainable_variables)
+    missing = []
+    if not any(v is micro_step_counter(adam) for v in adam.variables):
+        missing.append("Optimizer._iterations")
+    slots = state_slots(adam, dense.trainable_variables)
+    if sorted(len(group) for group in slots.values()) != [2, 2] or any(
+        slot.dtype != "float16" for group in slots.values() for slot in group
+    ):
+        missing.append("Optimizer slots made by add_variable(dtype=) in build")
+    seen = []
+
+    def update(grads: list, variables: list, learning_rate: Any) -> None:
+        scope = stateless_scope()
+        seen.append(len(scope_values(scope)))
+        group = slots[id(variables[0])]
+        with read_and_assigned_as(group, "float32"):
+            seen.append(group[0].dtype == "float32")
+        for grad, variable in zip(grads, variables, strict=True):
+            adam.update_step(grad, variable, learning_rate)
+
+    undo = update_each_variable(adam, update)
+    grads = [np.ones(v.shape, "float32") for v in dense.trainable_variables]
+    adam.stateless_apply(
+        [v.value for v in adam.variables],
+        grads,
+        [v.value for v in dense.trainable_variables],
+    )
+    undo()
+    if seen[:1] != [len(adam.variables) + 2] or seen[1:] != [True]:
+        missing.append("BaseOptimizer._backend_update_step in a StatelessScope")
+    return missing

@@ -1,10 +1,10 @@
 """`keras_dist.plan`: where every variable goes and what each device holds,
 from shapes only (`plan`), for a model made and built from a shape (`model`)
 on a mesh of any size (`paper_mesh`), with the optimizer's slots (`slots`)
-and the swapped-axes rule (`swapped`), as a `Plan` (`result`) shown as a
-table or a chart (`report`); `plan_search` compiles candidate distributions
-for a topology and ranks them (`search`, `candidates`, `search_cache`,
-`search_result`)."""
+and the swapped-axes rule (`distribution.swapped_axes`), as a `Plan`
+(`result`) shown as a table or a chart (`report`); `plan_search` compiles
+candidate distributions for a topology and ranks them (`search`,
+`candidates`, `search_cache`, `search_result`)."""
 
 from keras_dist.planner.candidates import Candidate
 from keras_dist.planner.plan import plan

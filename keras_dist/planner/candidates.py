@@ -13,10 +13,18 @@ each with remat off and on ("blocks": each transformer block of a KerasHub
 model recomputed as one piece; "full" otherwise). `m` runs over the powers
 of two that divide the device count, the model's attention heads and its
 width, smallest first.
+
+Memory savers (`savers`): where a candidate with nothing recomputed or
+offloaded does not fit, or fits with less than `CLOSE` of the memory to
+spare, the search adds its variants that keep less on the device, those the
+installed keras_dist takes: remat "dots" (matmul outputs kept, the rest
+recomputed), optimizer state in bfloat16, optimizer state offloaded to the
+host, and remat "offload" (kept activations offloaded).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,11 +32,14 @@ from typing import Any
 
 import keras
 
+# The module itself: `from keras_dist import layouts` would ask the package's
+# public API, which may be loading this module.
+import keras_dist.layouts as layouts
 from keras_dist.distribution.policies import FSDP, DataParallel
-from keras_dist.distribution.remat import REMAT_POLICIES
+from keras_dist.distribution.remat import REMAT_POLICIES, check_remat
+from keras_dist.distribution.swapped_axes import model_width
 from keras_dist.keras_compat.layers import layers_of
 from keras_dist.planner.paper_mesh import check_mesh
-from keras_dist.planner.swapped import model_width
 
 POLICIES = ("data_parallel", "fsdp", "fsdp_tp")
 #: `Candidate.remat`: off, Keras' modes, "blocks" (each transformer block of
@@ -43,6 +54,11 @@ REMAT = (
     "blocks",
     *(name for name in REMAT_POLICIES if name != "full"),
 )
+#: `Candidate.offload` and `Candidate.optimizer_state_dtype`'s values.
+OFFLOAD = (None, "optimizer")
+STATE_DTYPES = (None, "bfloat16")
+#: A candidate fits "closely" with less than this share of the memory spare.
+CLOSE = 0.05
 BATCH_AXIS = "batch"
 MODEL_AXIS = "model"
 _LABELS = {
@@ -65,6 +81,10 @@ class Candidate:
             KerasHub model (its backbone's `transformer_layers`) recomputed,
             or a named policy, `"dots"` or `"offload"` (the distribution's
             `remat=`).
+        offload: None or `"optimizer"`: the optimizer's state in the host's
+            memory (the distribution's `offload=`).
+        optimizer_state_dtype: None (the variables' dtype) or `"bfloat16"`
+            (the distribution's `optimizer_state_dtype=`).
 
     Example:
 
@@ -76,6 +96,8 @@ class Candidate:
     policy: str
     mesh: Mapping[str, int] = field(hash=False)
     remat: str | None = None
+    offload: str | None = None
+    optimizer_state_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -96,6 +118,16 @@ class Candidate:
             raise ValueError(
                 f"`remat` must be one of {REMAT}. Received: remat={self.remat!r}"
             )
+        if self.offload not in OFFLOAD:
+            raise ValueError(
+                f"`offload` must be one of {OFFLOAD}. Received: "
+                f"offload={self.offload!r}"
+            )
+        if self.optimizer_state_dtype not in STATE_DTYPES:
+            raise ValueError(
+                f"`optimizer_state_dtype` must be one of {STATE_DTYPES}. "
+                f"Received: optimizer_state_dtype={self.optimizer_state_dtype!r}"
+            )
 
     @property
     def label(self) -> str:
@@ -107,15 +139,49 @@ class Candidate:
 
     @property
     def description(self) -> str:
-        return f"{self.label}, {self.mesh_text}, remat {self.remat or 'off'}"
+        text = f"{self.label}, {self.mesh_text}, remat {self.remat or 'off'}"
+        if self.offload:
+            text += f", offload {self.offload}"
+        if self.optimizer_state_dtype:
+            text += f", {self.optimizer_state_dtype} optimizer state"
+        return text
+
+    @property
+    def plain(self) -> bool:
+        """Nothing recomputed, offloaded or stored in a smaller dtype."""
+        return self == self.twin
 
     @property
     def twin(self) -> Candidate:
-        """The same policy and mesh with remat off."""
+        """The same policy and mesh with remat off, nothing offloaded."""
         return Candidate(self.policy, self.mesh)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "mesh": dict(self.mesh), "remat": self.remat}
+        made = {"policy": self.policy, "mesh": dict(self.mesh), "remat": self.remat}
+        # Only where set: a plain candidate keeps its cache key.
+        if self.offload:
+            made["offload"] = self.offload
+        if self.optimizer_state_dtype:
+            made["optimizer_state_dtype"] = self.optimizer_state_dtype
+        return made
+
+    def savers(self) -> list[Candidate]:
+        """This plain candidate's variants that keep less on the device,
+        those the installed keras_dist takes (see the module's docstring)."""
+        if not self.plain:
+            return []
+        made = []
+        if remat_policy_known("dots"):
+            made.append(Candidate(self.policy, self.mesh, remat="dots"))
+        for name, value in (
+            ("optimizer_state_dtype", "bfloat16"),
+            ("offload", "optimizer"),
+        ):
+            if distributions_take(name):
+                made.append(Candidate(self.policy, self.mesh, **{name: value}))
+        if remat_policy_known("offload"):
+            made.append(Candidate(self.policy, self.mesh, remat="offload"))
+        return made
 
     def distribution_function(self, model: Any) -> Callable[[Any], Any]:
         """The function of the `DeviceMesh` that makes this candidate's
@@ -123,16 +189,39 @@ class Candidate:
         read from its variables)."""
         remat = remat_scope(model, self.remat)
         policy = self.policy
+        # Only where set: keras_dist's without these arguments still plans.
+        options: dict[str, Any] = {"remat": remat}
+        if self.offload:
+            options["offload"] = self.offload
+        if self.optimizer_state_dtype:
+            options["optimizer_state_dtype"] = self.optimizer_state_dtype
 
         def make(mesh: Any) -> Any:
             if policy == "data_parallel":
-                return DataParallel(mesh, remat=remat)
+                return DataParallel(mesh, **options)
             layout_map = (
                 tensor_parallel_map(model, mesh) if policy == "fsdp_tp" else None
             )
-            return FSDP(mesh, axis=BATCH_AXIS, layout_map=layout_map, remat=remat)
+            return FSDP(mesh, axis=BATCH_AXIS, layout_map=layout_map, **options)
 
         return make
+
+
+def remat_policy_known(name: str) -> bool:
+    """Whether the distributions take `remat=name`."""
+    try:
+        check_remat(name)
+    except (ValueError, NotImplementedError):
+        return False
+    return True
+
+
+def distributions_take(name: str) -> bool:
+    """Whether the distributions take the keyword argument `name`."""
+    return all(
+        name in inspect.signature(policy.__init__).parameters
+        for policy in (DataParallel, FSDP)
+    )
 
 
 def keras_hub_backbone(model: Any) -> Any:
@@ -150,11 +239,6 @@ def keras_hub_backbone(model: Any) -> Any:
 def tensor_parallel_map(model: Any, mesh: Any) -> Any:
     """KerasHub's own layout map for a KerasHub model, else Megatron-style
     tensor parallelism of its Dense, attention and embedding layers."""
-    # An upward import (tests/test_package_rules.py UPWARD_ALLOWED): the
-    # layout presets sit above the planner because they read its
-    # swapped-axes rule; the search composes them into its candidates.
-    from keras_dist import layouts  # noqa: PLC0415
-
     backbone = keras_hub_backbone(model)
     if backbone is not None:
         return layouts.for_keras_hub(
@@ -288,9 +372,12 @@ def chosen_candidates(
 
 
 __all__ = [
+    "CLOSE",
     "Candidate",
+    "OFFLOAD",
     "POLICIES",
     "REMAT",
+    "STATE_DTYPES",
     "attention_heads",
     "chosen_candidates",
     "default_candidates",

@@ -9,13 +9,24 @@ and turns what XLA says into a `CompiledPlan`.
 Roofline, per device and step (figures from `common.accelerators`):
 
     compute       flops / peak FLOP/s of the chip in the compute dtype
-    memory        bytes accessed / HBM bandwidth
+    memory        (arguments read + outputs written) / HBM bandwidth: what
+                  must cross HBM at least once (XLA's bytes accessed counts
+                  every operation's operands as if unfused: not a bound)
+    host          the larger of the bytes moved to the device from pinned
+                  host memory and back / the chip's host bandwidth (PCIe is
+                  full duplex: the two directions overlap)
     interconnect  (2 x all-reduce + all-gather + reduce-scatter + all-to-all
                    + collective-permute bytes) / ICI bandwidth
-    network       with several slices: 2 x all-reduce bytes / the chip's
-                  share of the data-center network (the gradients' reduction
-                  crosses slices when the batch axis spans them)
-    step_seconds  the longest of the four (they overlap at best)
+    network       with several slices: the cross-slice bytes (what each chip
+                  sends over the data-center network: a ring's count of each
+                  transfer XLA hands it) / the chip's share of the
+                  data-center network. The batch axis spans the slices where
+                  the slice count divides it (the gradients' reduction
+                  crosses them once a step, as MaxText's
+                  `dcn_data_parallelism`); else another axis does, with a
+                  warning
+    step_seconds  the longest of the five (they overlap at best): a lower
+                  bound of the step
     mfu           compute / step_seconds
 """
 
@@ -23,10 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import keras
+import numpy as np
 
 from keras_dist.backends import get_adapter
 from keras_dist.common import accelerators
@@ -39,9 +52,11 @@ from keras_dist.keras_compat.distribution import KerasDistribution
 from keras_dist.planner.model import input_specs, input_structure, made_model
 from keras_dist.planner.paper_mesh import check_mesh, distribution_on_mesh
 from keras_dist.planner.result import CompiledPlan, CompiledStep, Plan
-from keras_dist.planner.topology import Topology, parse_topology
+from keras_dist.planner.topology import Topology, known_slices, parse_topology
 
 STEP_KINDS = ("train", "test", "predict")
+#: `CompiledStep.collective_bytes`' key for what crosses slices.
+CROSS_SLICE = "cross-slice"
 
 
 class TopologyMesh:
@@ -50,12 +65,18 @@ class TopologyMesh:
     def __init__(self, topology: Topology):
         self.topology = topology
         adapter = get_adapter()
-        self.devices = adapter.topology_devices(
-            topology.platform,
-            topology.libtpu_name,
-            topology.chips,
-            topology.num_slices,
-        )
+        try:
+            self.devices = adapter.topology_devices(
+                topology.platform,
+                topology.libtpu_name,
+                topology.chips,
+                topology.num_slices,
+            )
+        except ValueError as error:
+            if topology.platform != "tpu":
+                raise
+            generation = topology.libtpu_name.partition(":")[0]
+            raise ValueError(f"{error} {known_slices(generation)}") from error
         first = self.devices[0]
         self.device_kind = (
             "cpu" if first.platform == "cpu" else str(getattr(first, "device_kind", ""))
@@ -85,14 +106,54 @@ class TopologyMesh:
                 f"topology {self.topology.name!r} has {len(self.devices)}. Give a "
                 "mesh whose sizes multiply to the topology's device count."
             )
-        array = get_adapter().topology_mesh_devices(
-            self.devices, tuple(sizes.values()), self.topology.num_slices
-        )
+        adapter = get_adapter()
+        shape = tuple(sizes.values())
+        slices = self.topology.num_slices
+        array = adapter.topology_mesh_devices(self.devices, shape, slices)
         made, _ = distribution_on_mesh(distribution, sizes, devices=array)
+        if slices == 1:
+            return made
+        names = list(sizes)
+        batch = getattr(made, "batch_dim_name", None)
+        spanning = slice_axes(made)
+        if batch in names and sizes[batch] % slices == 0 and spanning != [batch]:
+            # The batch axis spans the slices: the gradients' reduction
+            # crosses them once a step, not a model axis' every layer.
+            array = adapter.topology_mesh_devices(
+                self.devices, shape, slices, names.index(batch)
+            )
+            made, _ = distribution_on_mesh(distribution, sizes, devices=array)
+        elif batch in names and batch not in spanning:
+            warnings.warn(
+                f"With {slices} slices, the mesh axis {', '.join(spanning)!r} "
+                f"spans them: the batch axis {batch!r} (size {sizes[batch]}) is "
+                f"not a multiple of {slices}, so the collectives along "
+                f"{', '.join(spanning)!r} (a model axis' activations, each "
+                "layer) cross the data-center network. Give the batch axis a "
+                f"size that {slices} divides. Received: mesh={sizes}, "
+                f"num_slices={slices}",
+                UserWarning,
+                stacklevel=4,
+            )
         return made
 
     def memory(self) -> int | None:
         return accelerators.memory_bytes(self.device_kind)
+
+
+def slice_axes(distribution: Any) -> list[str]:
+    """The axes of `distribution`'s mesh along which its devices change
+    slice (the data-center network): `[]` on one slice."""
+    mesh = distribution.device_mesh
+    devices = np.asarray(mesh.devices, dtype=object)
+    slices = np.vectorize(lambda device: getattr(device, "slice_index", 0) or 0)(
+        devices
+    )
+    return [
+        name
+        for index, name in enumerate(mesh.axis_names)
+        if devices.shape[index] > 1 and np.any(np.diff(slices, axis=index) != 0)
+    ]
 
 
 def check_topology_arguments(topology: Any, num_slices: Any, mesh: Any) -> Topology:
@@ -123,27 +184,53 @@ def abstract_model(model: Any, input_shape: Any) -> Any:
         return made_model(model, input_shape)
 
 
+class UntrainableModelError(ValueError):
+    """The train or test step is to be compiled, and the model is not
+    compiled (`missing="compile"`) or has no loss (`missing="loss"`).
+
+    The message speaks Python; the command (`keras-dist plan`) says it in
+    its own words from the attributes.
+
+    Attributes:
+        model_name: the model's name.
+        steps: the steps that need the loss and optimizer (`"train"`, `"test"`).
+        missing: `"compile"` or `"loss"`.
+    """
+
+    def __init__(self, model: Any, steps: list[str], missing: str):
+        self.model_name = model.name
+        self.steps = steps
+        self.missing = missing
+        needs = " and ".join(steps)
+        if missing == "compile":
+            message = (
+                f"The compiled plan of the {needs} step needs a compiled model "
+                "(its loss and optimizer are part of the step): call "
+                "model.compile(optimizer=..., loss=...) in the model function, "
+                "or plan only prediction with steps=('predict',). Received: "
+                f"model {model.name!r}, not compiled."
+            )
+        else:
+            message = (
+                f"The compiled plan of the {needs} step needs a loss: model "
+                f"{model.name!r} was compiled without one. Give "
+                "model.compile(loss=...)."
+            )
+        super().__init__(message)
+
+
 def check_trainable(model: Any, kinds: tuple[str, ...]) -> None:
-    """Refuse, before compiling, a model whose train or test step cannot run."""
+    """Refuse, before compiling, a model whose train or test step cannot run
+    (`UntrainableModelError`)."""
     needs_loss = [kind for kind in kinds if kind in ("train", "test")]
     if not needs_loss:
         return
     if getattr(model, "optimizer", None) is None or not getattr(
         model, "compiled", False
     ):
-        raise ValueError(
-            f"The compiled plan of the {' and '.join(needs_loss)} step needs a "
-            "compiled model (its loss and optimizer are part of the step): call "
-            "model.compile(optimizer=..., loss=...) in the model function, or "
-            "plan only prediction with steps=('predict',). Received: model "
-            f"{model.name!r}, not compiled."
-        )
+        raise UntrainableModelError(model, needs_loss, "compile")
     if getattr(model, "loss", None) is None and not _overrides_loss(model):
-        raise ValueError(
-            f"The compiled plan of the {' and '.join(needs_loss)} step needs a "
-            f"loss: model {model.name!r} was compiled without one. Give "
-            "model.compile(loss=...)."
-        )
+        raise UntrainableModelError(model, needs_loss, "loss")
 
 
 def _overrides_loss(model: Any) -> bool:
@@ -258,16 +345,28 @@ def compiled_plan(
     }
     notes = [
         "Figures per device. XLA's: peak bytes (arguments + outputs + "
-        "temporaries + code - aliased), flops, bytes accessed and the "
-        "collectives of the compiled program. Projected: step time and MFU, "
-        "from a roofline over the chip's peak FLOP/s and bandwidths "
-        "(keras_dist.common.accelerators): the longest of compute, memory, "
-        "interconnect and network time, a lower bound."
+        "temporaries + code - aliased) on the device and in the host's pinned "
+        "memory, flops, the collectives and the host transfers of the "
+        "compiled program. Projected: step time and MFU, from a roofline over "
+        "the chip's peak FLOP/s and bandwidths (keras_dist.common.accelerators):"
+        " the longest of compute, memory (arguments read and outputs written "
+        "once), host transfers, interconnect and network time, a lower bound."
     ]
     if kind is None or kind.peak_16 is None:
         notes.append(
             f"No step time is projected: keras_dist's table has no peak for "
             f"{topology_mesh.device_kind!r}."
+        )
+    moving = [
+        step
+        for step in steps.values()
+        if step.host_to_device_bytes or step.device_to_host_bytes
+    ]
+    if moving and kind is not None and kind.host_bandwidth is None:
+        notes.append(
+            "The step moves data between the host and the devices, but "
+            f"keras_dist's table has no host bandwidth for "
+            f"{topology_mesh.device_kind!r}: the projection leaves that time out."
         )
     if memory is None:
         notes.append(
@@ -287,6 +386,7 @@ def compiled_plan(
         steps,
         memory,
         notes,
+        ", ".join(slice_axes(made)) or None,
     )
 
 
@@ -299,15 +399,16 @@ def _projected(
     peak = kind.peak_16 if compute_dtype in ("bfloat16", "float16") else kind.peak_32
     moved = step.collective_bytes
     ici = 2 * moved.get("all-reduce", 0) + sum(
-        size for name, size in moved.items() if name != "all-reduce"
+        size for name, size in moved.items() if name not in ("all-reduce", CROSS_SLICE)
     )
     seconds: dict[str, float | None] = {
         "compute": step.flops / peak if peak else None,
         "memory": (
-            step.bytes_accessed / kind.memory_bandwidth
-            if kind.memory_bandwidth and step.bytes_accessed is not None
+            step.device_traffic_bytes / kind.memory_bandwidth
+            if kind.memory_bandwidth and step.device_traffic_bytes is not None
             else None
         ),
+        "host": _host_seconds(step, kind),
         "interconnect": (
             ici / kind.interconnect_bandwidth if kind.interconnect_bandwidth else None
         )
@@ -317,7 +418,7 @@ def _projected(
     }
     if num_slices > 1:
         seconds["network"] = (
-            2 * moved.get("all-reduce", 0) / kind.network_bandwidth
+            moved.get(CROSS_SLICE, 0) / kind.network_bandwidth
             if kind.network_bandwidth
             else None
         )
@@ -331,6 +432,15 @@ def _projected(
     return dataclasses.replace(
         step, seconds=seconds, step_seconds=step_seconds, mfu=mfu
     )
+
+
+def _host_seconds(step: CompiledStep, kind: Any) -> float | None:
+    """The host term: 0 without transfers, None where the chip's host
+    bandwidth is not in the table."""
+    moved = max(step.host_to_device_bytes or 0, step.device_to_host_bytes or 0)
+    if not moved:
+        return 0.0
+    return moved / kind.host_bandwidth if kind.host_bandwidth else None
 
 
 def plan_on_topology(
@@ -400,6 +510,7 @@ def plan_on_topology(
 __all__ = [
     "STEP_KINDS",
     "TopologyMesh",
+    "UntrainableModelError",
     "abstract_model",
     "check_topology_arguments",
     "check_trainable",

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import keras
 import numpy as np
 
 from keras_dist.backends import get_adapter
+from keras_dist.distribution.swapped_axes import model_width, swapped_dimensions
 from keras_dist.keras_compat.distribution import KerasDistribution
+from keras_dist.keras_compat.optimizers import is_state_slot
 from keras_dist.planner.compiled import STEP_KINDS, plan_on_topology
 from keras_dist.planner.model import (
     check_input_shape,
@@ -28,7 +30,6 @@ from keras_dist.planner.model import (
 from keras_dist.planner.paper_mesh import check_mesh, distribution_on_mesh
 from keras_dist.planner.result import DeviceTotals, Plan, Problem, VariableRow
 from keras_dist.planner.slots import Slot, optimizer_slots
-from keras_dist.planner.swapped import model_width, swapped_dimensions
 from keras_dist.runtime import api as runtime
 
 __all__ = ["DeviceTotals", "Plan", "Problem", "VariableRow", "plan"]
@@ -130,8 +131,10 @@ def plan(
             without it, every device on one axis `"batch"`; `batch_size` is
             needed. A model function may compile its model (the step needs
             its loss and optimizer); its variables are never allocated.
-        num_slices: TPU slices joined by the data-center network; the first
-            mesh axis that the count divides spans them.
+        num_slices: TPU slices joined by the data-center network; the
+            distribution's batch axis spans them where the count divides it
+            (else the first axis it divides, with a warning), and what
+            crosses them is counted as `"cross-slice"` collective bytes.
         target_shape: one sample's target shape for the compiled step, when
             it is not the model's output shape (or that shape without its
             last dimension, for a sparse loss).
@@ -347,10 +350,16 @@ class _Planner:
             model_rows.append(row)
             by_path.setdefault(row.path, row)
         slot_rows = []
+        placement = getattr(self.distribution, "state_placement", None)
         for slot in slots:
             spec = _Shape(slot.path, slot.shape, slot.dtype)
             owner = by_path.get(slot.owner) if slot.owner else None
-            if owner is not None:
+            if owner is not None and placement is not None and is_state_slot(slot.path):
+                # Stored as `optimizer_state_dtype=` says, where `offload=` says.
+                spec = _Shape(slot.path, slot.shape, placement.slot_dtype(slot.dtype))
+                row = self._sized(spec, "optimizer", owner.key, owner.axes)
+                slot_rows.append(replace(row, memory=placement.slot_memory))
+            elif owner is not None:
                 slot_rows.append(self._sized(spec, "optimizer", owner.key, owner.axes))
             else:
                 slot_rows.append(self._row(spec, "optimizer")[0])
@@ -598,7 +607,8 @@ class _Planner:
         gradients = sum(
             row.bytes_per_device for row in model_rows if row.role == "trainable"
         )
-        slots = sum(row.bytes_per_device for row in slot_rows)
+        slots = sum(r.bytes_per_device for r in slot_rows if r.memory == "device")
+        host = sum(r.bytes_per_device for r in slot_rows if r.memory != "device")
         names = [
             _device_name(d)
             for d in np.asarray(self.distribution.device_mesh.devices).reshape(-1)
@@ -609,7 +619,9 @@ class _Planner:
             if memory is None and not self.placeholders:
                 memory = get_adapter().device_memory_bytes(name)
             devices.append(
-                DeviceTotals(name, parameters, slots, activations, memory, gradients)
+                DeviceTotals(
+                    name, parameters, slots, activations, memory, gradients, host
+                )
             )
         over = [d for d in devices if d.memory is not None and d.total > d.memory]
         if over:

@@ -43,7 +43,7 @@ def _renderables(plan: Any) -> list[Any]:
             row.path,
             str(row.shape),
             row.dtype,
-            row.role,
+            row.role if row.memory == "device" else f"{row.role} ({row.memory})",
             row.key,
             str(row.axes),
             _bytes(row.bytes_per_device),
@@ -59,6 +59,9 @@ def _renderables(plan: Any) -> list[Any]:
         devices.add_column(column, justify="right")
     devices.add_column("total", justify="right")
     devices.add_column("memory", justify="right")
+    host = any(device.host_optimizer_slots for device in plan.devices)
+    if host:
+        devices.add_column("slots in host memory", justify="right")
     for label, group in device_groups(plan):
         device = group[0]
         devices.add_row(
@@ -69,6 +72,7 @@ def _renderables(plan: Any) -> list[Any]:
             _bytes(device.activations),
             _bytes(device.total),
             _bytes(device.memory),
+            *([_bytes(device.host_optimizer_slots)] if host else []),
         )
     parts: list[Any] = [verdict(plan), variables, devices]
     parts += [f"* {note}" for note in plan.notes]
@@ -137,11 +141,23 @@ def _compiled_renderables(rich: Any, compiled: Any) -> list[Any]:
     title = (
         f"Compiled for {compiled.topology}: {compiled.devices} x "
         f"{compiled.device_kind}"
-        + (f", {compiled.num_slices} slices" if compiled.num_slices > 1 else "")
+        + (
+            f", {compiled.num_slices} slices (mesh axis {compiled.slice_axis!r} "
+            "spans them)"
+            if compiled.num_slices > 1
+            else ""
+        )
         + f", computing in {compiled.compute_dtype} (per device)"
     )
     table = rich.table.Table(title=title)
-    for column in ("step", "peak (XLA's)", "flops (XLA's)", "collectives (XLA's)"):
+    for column in (
+        "step",
+        "peak (XLA's)",
+        "host (XLA's)",
+        "host traffic",
+        "flops (XLA's)",
+        "collectives (XLA's)",
+    ):
         table.add_column(column, justify="right")
     for column in ("step time (projected)", "MFU (projected)", "compile"):
         table.add_column(column, justify="right")
@@ -150,6 +166,8 @@ def _compiled_renderables(rich: Any, compiled: Any) -> list[Any]:
             table.add_row(
                 step.kind,
                 "refused",
+                "",
+                "",
                 "",
                 step.error[:200],
                 "",
@@ -165,6 +183,8 @@ def _compiled_renderables(rich: Any, compiled: Any) -> list[Any]:
         table.add_row(
             step.kind,
             _bytes(step.peak_bytes),
+            _bytes(step.host_peak_bytes),
+            _host_traffic(step),
             f"{step.flops:.3g}",
             moved or "none",
             _seconds(step.step_seconds),
@@ -172,6 +192,18 @@ def _compiled_renderables(rich: Any, compiled: Any) -> list[Any]:
             f"{step.compile_seconds:.1f} s",
         )
     return [table] + [f"* {note}" for note in compiled.notes]
+
+
+def _host_traffic(step: Any) -> str:
+    """What a step moves from the host to the device and back."""
+    if step.host_to_device_bytes is None or step.device_to_host_bytes is None:
+        return "unknown"
+    if not step.host_to_device_bytes and not step.device_to_host_bytes:
+        return "none"
+    return (
+        f"{_bytes(step.host_to_device_bytes)} in, "
+        f"{_bytes(step.device_to_host_bytes)} out"
+    )
 
 
 def render_text(plan: Any, width: int = 160) -> str:

@@ -33,6 +33,9 @@ class VariableRow:
     axes: tuple[str | None, ...]
     total_bytes: int
     bytes_per_device: int
+    # Where it lives: "device", or "pinned_host" for an optimizer slot that
+    # the distribution's `offload="optimizer"` keeps in host memory.
+    memory: str = "device"
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class DeviceTotals:
     """Bytes one device holds at the optimizer's update, when the most is
     alive at once: the variables, a gradient for each trainable one (in its
     dtype, laid out as it is), the optimizer's slots and the activations'
-    estimate. `memory` is None when unknown."""
+    estimate. `memory` is None when unknown. `host_optimizer_slots`: the
+    slots this device's part of which lives in pinned host memory
+    (`offload="optimizer"`), not counted in `total`."""
 
     device: str
     parameters: int
@@ -48,6 +53,7 @@ class DeviceTotals:
     activations: int | None
     memory: int | None
     gradients: int = 0
+    host_optimizer_slots: int = 0
 
     @property
     def total(self) -> int:
@@ -65,14 +71,26 @@ class CompiledStep:
     `"predict"`), per device, and the roofline's projection of its time.
 
     `peak_bytes` is XLA's arguments + outputs + temporaries + generated code,
-    less the buffers the outputs alias (the donated state). `flops` and
-    `bytes_accessed` are XLA's cost analysis of one step. `collective_bytes`
-    is read from the compiled program: per kind, the bytes of the buffers its
-    collectives work on (`collective_counts`: how many). `seconds` is the
-    roofline's time for each of `"compute"`, `"memory"`, `"interconnect"` and
-    `"network"` (None where the chip's figure is unknown); `step_seconds` the
-    longest. `error` is XLA's words when it refused to compile the step (out
-    of memory, say): the figures are then None.
+    less the buffers the outputs alias (the donated state), in the device's
+    memory; `host_peak_bytes` the same in its host's pinned memory (state
+    offloaded there; `host_argument_bytes`, `host_output_bytes`,
+    `host_temp_bytes` its parts). `host_to_device_bytes` and
+    `device_to_host_bytes` are what one step moves between the two, read from
+    the compiled program's transfers (where XLA writes only the program's
+    signature, as on CPUs: its pinned_host arguments read once and outputs
+    written once). `device_traffic_bytes` is what must cross the device's
+    memory at least once a step: the arguments read and the outputs written.
+    `flops` and `bytes_accessed` are XLA's cost analysis of one step
+    (`bytes_accessed` counts each operation's operands and results as if
+    nothing were fused: more than the step moves). `collective_bytes` is
+    read from the compiled program: per kind, the bytes of the buffers its
+    collectives work on (`collective_counts`: how many); `"cross-slice"` is
+    what each device hands the data-center network (several slices). `seconds` is the
+    roofline's time for each of `"compute"`, `"memory"`, `"host"`,
+    `"interconnect"` and `"network"` (None where the chip's figure is
+    unknown); `step_seconds` the longest, a lower bound of the step. `error`
+    is XLA's words when it refused to compile the step (out of memory, say):
+    the figures are then None.
     """
 
     kind: str
@@ -83,6 +101,13 @@ class CompiledStep:
     temp_bytes: int | None = None
     code_bytes: int | None = None
     alias_bytes: int | None = None
+    host_peak_bytes: int | None = None
+    host_argument_bytes: int | None = None
+    host_output_bytes: int | None = None
+    host_temp_bytes: int | None = None
+    device_traffic_bytes: int | None = None
+    host_to_device_bytes: int | None = None
+    device_to_host_bytes: int | None = None
     flops: float | None = None
     bytes_accessed: float | None = None
     collective_bytes: dict[str, int] = field(default_factory=dict)
@@ -98,10 +123,13 @@ class CompiledPlan:
     """`keras_dist.plan(..., topology=...)`'s compiled steps on the topology.
 
     The train step's figures are repeated as attributes (`peak_bytes`,
-    `flops`, `collective_bytes`, `step_seconds`, `mfu`); `steps` has every
+    `host_peak_bytes`, `host_traffic_bytes`, `flops`, `collective_bytes`,
+    `step_seconds`, `mfu`); `steps` has every
     step compiled. `memory` is one device's memory (the chip's HBM), None
     when unknown; `fits` whether the train step's peak is within it (None
     when either is unknown) and `margin_bytes` by how much (negative: short).
+    `slice_axis` is the mesh axis that spans the slices (its collectives
+    cross the data-center network), None on one slice.
     """
 
     topology: str
@@ -112,6 +140,7 @@ class CompiledPlan:
     steps: dict[str, CompiledStep]
     memory: int | None
     notes: list[str] = field(default_factory=list)
+    slice_axis: str | None = None
 
     @property
     def train(self) -> CompiledStep:
@@ -120,6 +149,19 @@ class CompiledPlan:
     @property
     def peak_bytes(self) -> int | None:
         return self.train.peak_bytes
+
+    @property
+    def host_peak_bytes(self) -> int | None:
+        return self.train.host_peak_bytes
+
+    @property
+    def host_traffic_bytes(self) -> int | None:
+        """Bytes the train step moves between the host's pinned memory and
+        the device, both ways together."""
+        train = self.train
+        if train.host_to_device_bytes is None or train.device_to_host_bytes is None:
+            return None
+        return train.host_to_device_bytes + train.device_to_host_bytes
 
     @property
     def flops(self) -> float | None:
@@ -237,10 +279,13 @@ def _compiled_dict(compiled: CompiledPlan) -> dict[str, Any]:
         "device_kind": compiled.device_kind,
         "devices": compiled.devices,
         "num_slices": compiled.num_slices,
+        "slice_axis": compiled.slice_axis,
         "compute_dtype": compiled.compute_dtype,
         "memory": compiled.memory,
         "fits": compiled.fits,
         "margin_bytes": compiled.margin_bytes,
+        "host_peak_bytes": compiled.host_peak_bytes,
+        "host_traffic_bytes": compiled.host_traffic_bytes,
         "steps": {kind: dict(step.__dict__) for kind, step in compiled.steps.items()},
         "notes": list(compiled.notes),
     }

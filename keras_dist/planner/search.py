@@ -8,20 +8,25 @@ for a topology and rank them.
                  a device's memory (static plan) does not fit: not compiled
     remat twin   remat on is compiled only when remat off does not fit: it
                  recomputes, so it can only be slower
+    savers       a default candidate that does not fit (or fits closely) gets
+                 its memory-saving variants added (`Candidate.savers`)
     budget       no candidate starts once `time_budget` seconds are spent (the
                  first always does); those left are listed as not tried
     processes    candidates compile in worker processes ("spawn", JAX) when
                  the model is a picklable function, else in this process
 
 Each candidate is compiled by `keras_dist.plan(..., topology=...)`, the same
-steps `fit` runs. A step XLA refuses (out of memory) ranks as not fitting,
-with XLA's words; any other exception is kept on its candidate.
+steps `fit` runs; `largest_batch=True` then searches the best one's largest
+batch (`planner/batch_search.py`). A step XLA refuses (out of memory) ranks
+as not fitting, with XLA's words; any other exception is kept on its
+candidate.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -32,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keras_dist.backends import get_adapter
-from keras_dist.planner.candidates import Candidate, chosen_candidates
+from keras_dist.planner.batch_search import best_largest_batch
+from keras_dist.planner.candidates import CLOSE, Candidate, chosen_candidates
 from keras_dist.planner.compiled import (
     STEP_KINDS,
     TopologyMesh,
@@ -66,6 +72,8 @@ class Outcome:
     screened: str | None = None
     seconds: float = 0.0
     plan: Plan | None = None
+    # A screened candidate's bytes short per device (static plan).
+    shortfall: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,9 +108,12 @@ def _topology_key(name: str, num_slices: int) -> str:
     return parsed.libtpu_name or f"{parsed.platform}:{parsed.chips}"
 
 
-def _screen(model: Any, function: Any, candidate: Candidate, job: Job) -> Any:
+def _screen(
+    model: Any, function: Any, candidate: Candidate, job: Job
+) -> tuple[str, int] | None:
     """Why `candidate` cannot fit, from its static plan (its variables and
-    optimizer state per device against the memory), or None."""
+    optimizer state per device against the memory), and by how many bytes
+    per device; or None."""
     if job.memory is None:
         return None
     static = plan(
@@ -115,12 +126,19 @@ def _screen(model: Any, function: Any, candidate: Candidate, job: Job) -> Any:
         device_memory=job.memory,
         on_indivisible="replicate",
     )
-    held = max(device.parameters + device.optimizer_slots for device in static.devices)
+    # Offloaded optimizer state is held by the host; bfloat16 state is half
+    # of float32's (the static plan counts the variables' dtype).
+    share = 0 if candidate.offload else 0.5 if candidate.optimizer_state_dtype else 1
+    held = max(
+        device.parameters + int(share * device.optimizer_slots)
+        for device in static.devices
+    )
     if held <= job.memory:
         return None
     return (
         f"not compiled: the variables and optimizer state alone need {held:,} "
-        f"bytes per device (static plan), more than the {job.memory:,} there"
+        f"bytes per device (static plan), more than the {job.memory:,} there",
+        held - job.memory,
     )
 
 
@@ -158,9 +176,10 @@ def compile_candidate(model: Any, candidate: Candidate, job: Job) -> Outcome:
         compiled=None if result is None else result.compiled,
         problems=[] if result is None else list(result.problems),
         warnings=_said(caught),
-        screened=screened,
+        screened=None if screened is None else screened[0],
         seconds=time.perf_counter() - started,
         plan=result,
+        shortfall=None if screened is None else screened[1],
     )
 
 
@@ -275,8 +294,11 @@ def _picklable(model: Any) -> str | None:
 
 
 class _Search:
-    def __init__(self, model: Any, made: Any, job: Job, mesh: TopologyMesh):
+    def __init__(
+        self, model: Any, made: Any, job: Job, mesh: TopologyMesh, savers: bool
+    ):
         self.model = model
+        self.savers = savers
         self.made = made
         self.job = job
         self.topology_mesh = mesh
@@ -302,6 +324,7 @@ class _Search:
             plan=outcome.plan,
             error=outcome.error,
             reason=outcome.screened,
+            screened_shortfall=outcome.shortfall,
             problems=outcome.problems,
             warnings=outcome.warnings,
             seconds=outcome.seconds,
@@ -323,7 +346,7 @@ class _Search:
     def twin_fits(self, candidate: Candidate) -> bool | None:
         """Whether the remat-off twin of a remat-on candidate fits (None:
         no twin, not known yet, or unknown)."""
-        if candidate.remat is None:
+        if candidate.remat is None or candidate.plain:
             return None
         twin = self.results.get(candidate.twin)
         return None if twin is None else twin.fits
@@ -344,7 +367,7 @@ class _Search:
                 ready = [
                     c
                     for c in pending
-                    if c.remat is None or c.twin not in pending + list(running.values())
+                    if c.plain or c.twin not in pending + list(running.values())
                 ]
                 if not ready:
                     break
@@ -376,7 +399,22 @@ class _Search:
                     outcome = future.result()
                 except Exception as error:  # a worker process died
                     outcome = Outcome(error=f"{type(error).__name__}: {error}")
-                self.result(candidate, outcome)
+                result = self.result(candidate, outcome)
+                pending += self.savers_of(candidate, result)
+
+    def savers_of(self, candidate: Candidate, result: SearchResult) -> list:
+        """The memory savers of a plain candidate that does not fit or fits
+        closely (`candidates.CLOSE`), when the search adds them."""
+        if not self.savers or not candidate.plain or result.fits is None:
+            return []
+        memory = self.job.memory
+        margin = result.margin_bytes
+        close = margin is not None and memory and margin < CLOSE * memory
+        if result.fits and not close:
+            return []
+        savers = [c for c in candidate.savers() if c not in self.results]
+        # A candidate that fits closely gets headroom, not recomputation.
+        return [c for c in savers if not result.fits or c.remat is None]
 
     def submit(self, executor: Any, candidate: Candidate) -> Any:
         function = (
@@ -408,6 +446,7 @@ def plan_search(
     device_memory: int | None = None,
     target_shape: Any = None,
     steps: tuple[str, ...] = ("train",),
+    largest_batch: bool = False,
 ) -> SearchResults:
     """Compile the candidate distributions of `model` for `topology` and
     rank them: those that fit first, then by projected step time (by peak
@@ -451,6 +490,10 @@ def plan_search(
         device_memory: bytes per device, instead of the chip's.
         target_shape: as `keras_dist.plan`'s.
         steps: the steps compiled; the train step alone by default.
+        largest_batch: then compile the best candidate at larger global
+            batches (doubling, then bisecting, in multiples of its batch
+            axis; at most `batch_search.MAX_COMPILES` compiles, within
+            `time_budget`) for the largest that fits: `.largest_batch`.
 
     Returns:
         `SearchResults`: iterate it for `SearchResult`s (each with its
@@ -500,7 +543,9 @@ def plan_search(
         device_memory,
         device_memory or chip_memory,
     )
-    search = _Search(model, made, job, topology_mesh)
+    # Memory savers are added to the default candidates, not to a list given.
+    savers = candidates is None or all(isinstance(c, str) for c in candidates)
+    search = _Search(model, made, job, topology_mesh, savers)
     keys = {}
     if cache is not None:
         model_part = model_fingerprint(made)
@@ -548,7 +593,7 @@ def plan_search(
         f"Plan search: {made.name} on {parsed.name} ({devices} x "
         f"{topology_mesh.device_kind}"
         + (f", {parsed.num_slices} slices" if parsed.num_slices > 1 else "")
-        + f"), global batch {batch_size}; {len(order)} candidates in "
+        + f"), global batch {batch_size}; {len(search.results)} candidates in "
         f"{time.monotonic() - began:.0f} s, {workers} process(es)"
     )
     if job.memory is None:
@@ -562,12 +607,26 @@ def plan_search(
         search.notes.append(
             "No step time is projected for these devices: ranked by peak bytes."
         )
-    return SearchResults(
+    ranked = SearchResults(
         list(search.results.values()),
         title=title,
         notes=search.notes,
         seconds=time.monotonic() - began,
+        batch_size=batch_size,
+        num_slices=parsed.num_slices,
+        platform=parsed.platform,
     )
+    if largest_batch:
+        ranked.largest_batch = best_largest_batch(
+            ranked,
+            lambda candidate, batch: compile_candidate(
+                made, candidate, dataclasses.replace(job, batch_size=batch)
+            ),
+            batch_size,
+            deadline,
+        )
+        ranked.seconds = time.monotonic() - began
+    return ranked
 
 
 def _executor(

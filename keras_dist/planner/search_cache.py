@@ -32,7 +32,9 @@ from keras_dist._version import __version__
 from keras_dist.keras_compat.layers import layers_of
 from keras_dist.planner.result import CompiledPlan, CompiledStep, Problem
 
-FORMAT = 1
+# 2: collectives count what crosses slices ("cross-slice"), and the network
+# term is theirs; entries of 1 are compiled again.
+FORMAT = 2
 _SUFFIX = re.compile(r"_\d+$")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _NAME_KEYS = ("name",)
@@ -133,6 +135,7 @@ def compiled_to_dict(compiled: CompiledPlan) -> dict[str, Any]:
         "device_kind": compiled.device_kind,
         "devices": compiled.devices,
         "num_slices": compiled.num_slices,
+        "slice_axis": compiled.slice_axis,
         "compute_dtype": compiled.compute_dtype,
         "steps": {kind: dict(step.__dict__) for kind, step in compiled.steps.items()},
         "notes": list(compiled.notes),
@@ -149,6 +152,7 @@ def compiled_from_dict(data: dict[str, Any], memory: int | None) -> CompiledPlan
         {kind: CompiledStep(**step) for kind, step in data["steps"].items()},
         memory,
         list(data["notes"]),
+        data.get("slice_axis"),
     )
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from keras_dist.planner.candidates import Candidate
+from keras_dist.planner.candidates import POLICIES, REMAT, Candidate
 from keras_dist.planner.result import CompiledPlan, Plan, Problem
 from keras_dist.planner.search_cache import compiled_to_dict
 
@@ -35,6 +35,8 @@ class SearchResult:
         seconds: wall seconds spent on it (0 from the cache).
         rank: 1 for the best; None for a candidate that failed or was not
             tried.
+        screened_shortfall: for a screened candidate, the bytes per device
+            its variables and optimizer state alone exceed the memory by.
     """
 
     candidate: Candidate
@@ -47,6 +49,7 @@ class SearchResult:
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
     rank: int | None = None
+    screened_shortfall: int | None = None
     maker: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
     _distribution: Any = field(default=None, repr=False, compare=False)
 
@@ -82,6 +85,17 @@ class SearchResult:
     @property
     def margin_bytes(self) -> int | None:
         return None if self.compiled is None else self.compiled.margin_bytes
+
+    @property
+    def shortfall_bytes(self) -> int | None:
+        """Bytes per device it is short of fitting (needed - available): XLA's
+        peak against the memory, or for a screened candidate its static
+        plan's variables and optimizer state; None when it fits or this is
+        not known (XLA refused it, the memory is unknown)."""
+        if self.status == "screened":
+            return self.screened_shortfall
+        margin = self.margin_bytes
+        return -margin if margin is not None and margin < 0 else None
 
     @property
     def step_seconds(self) -> float | None:
@@ -121,6 +135,7 @@ class SearchResult:
             "fits": self.fits,
             "peak_bytes": self.peak_bytes,
             "margin_bytes": self.margin_bytes,
+            "shortfall_bytes": self.shortfall_bytes,
             "step_seconds": self.step_seconds,
             "mfu": self.mfu,
             "compile_seconds": self.compile_seconds,
@@ -142,15 +157,32 @@ def _fit_order(result: SearchResult) -> int:
     return 0 if fits is True else 1 if fits is None else 2
 
 
+def stable_key(candidate: Candidate) -> tuple:
+    """The candidates' own order (policy, mesh, remat): ties are broken by
+    it, never by the order in which compiles finished."""
+    return (
+        POLICIES.index(candidate.policy),
+        tuple(candidate.mesh.items()),
+        REMAT.index(candidate.remat),
+    )
+
+
 def rank_key(result: SearchResult) -> tuple:
     """Fits first (then unknown, then does not fit), then the projected step
-    time, then the peak per device (where no time is projected: CPUs); the
-    candidates that do not fit by their peak alone, the nearest to fitting
-    first."""
+    time, then the peak per device (where no time is projected: CPUs). The
+    candidates that do not fit: by their shortfall (needed - available),
+    the nearest to fitting first; then those XLA refused (no peak); then
+    those screened out before compiling, by their static shortfall. Ties go
+    by `stable_key`, so the order is the same from run to run."""
     order = _fit_order(result)
-    step = None if order == 2 else result.step_seconds
-    peak = result.peak_bytes
-    return (order, step is None, step or 0.0, peak is None, peak or 0)
+    stable = stable_key(result.candidate)
+    if order == 2:
+        short = result.shortfall_bytes
+        screened = result.status == "screened"
+        return (order, screened, short is None, short or 0, 0, stable)
+    step = result.step_seconds if order < 2 else None
+    peak = result.peak_bytes if order < 2 else None
+    return (order, step is None, step or 0.0, peak is None, peak or 0, stable)
 
 
 class SearchResults:
@@ -159,7 +191,9 @@ class SearchResults:
     Iterate it, index it or `len()` it for the `SearchResult`s; print it
     for the ranked table. `best` is the first that fits (or, where the
     devices' memory is unknown, the first compiled); `not_tried` the
-    candidates the time budget left out.
+    candidates the time budget left out; `largest_batch` the largest global
+    batch the best fits (`planner.batch_search.LargestBatch`), when the
+    search was asked for it (`largest_batch=True`), else None.
     """
 
     def __init__(
@@ -169,8 +203,14 @@ class SearchResults:
         title: str,
         notes: list[str],
         seconds: float,
+        batch_size: int | None = None,
+        num_slices: int = 1,
+        platform: str = "tpu",
     ):
         self.results = sorted(results, key=rank_key)
+        self.batch_size = batch_size
+        self.num_slices = num_slices
+        self.platform = platform
         rank = 0
         for result in self.results:
             if result.status in ("failed", "skipped"):
@@ -180,6 +220,7 @@ class SearchResults:
         self.title = title
         self.notes = notes
         self.seconds = seconds
+        self.largest_batch: Any = None
 
     def __iter__(self) -> Iterator[SearchResult]:
         return iter(self.results)
@@ -205,11 +246,83 @@ class SearchResults:
     def failed(self) -> list[SearchResult]:
         return [r for r in self.results if r.status == "failed"]
 
+    @property
+    def nearest(self) -> SearchResult | None:
+        """When nothing fits, the candidate nearest to fitting (the smallest
+        shortfall), else None."""
+        if self.best is not None:
+            return None
+        short = [r for r in self.results if r.shortfall_bytes is not None]
+        return short[0] if short else None
+
+    def next_steps(self) -> list[str]:
+        """When nothing fits, what to try next, said as `plan_search`'s
+        arguments: the nearest candidate, and what would close its gap (a
+        smaller batch, remat, more chips) with the figures behind each."""
+        nearest = self.nearest
+        if nearest is None:
+            return []
+        short = nearest.shortfall_bytes
+        lines = [
+            f"Nothing fits. The nearest: {nearest.description}, "
+            f"{_bytes(short)} short per device. To close the gap, try:"
+        ]
+        more = (
+            f"num_slices={2 * self.num_slices}, or a topology= of more chips"
+            if self.platform == "tpu"
+            else "a topology= of more devices"
+        )
+        if nearest.status == "screened":
+            lines.append(
+                "  - more chips: its variables and optimizer state alone do not "
+                "fit (a smaller batch or remat cannot help); FSDP splits them "
+                f"over every chip ({more})"
+            )
+            return lines
+        train = nearest.compiled.train
+        if self.batch_size and self.batch_size > 1 and train.temp_bytes:
+            lines.append(
+                f"  - a smaller batch (batch_size={self.batch_size // 2}): XLA's "
+                f"temporaries, {_bytes(train.temp_bytes)} of its peak, shrink "
+                "with it"
+            )
+        if nearest.remat is None:
+            lines += self._remat_step(nearest)
+        if train.argument_bytes:
+            lines.append(
+                f"  - more chips: the step's arguments (variables, optimizer "
+                f"state, the batch) take {_bytes(train.argument_bytes)} of its "
+                f"peak, and FSDP splits the state over every chip ({more})"
+            )
+        return lines
+
+    def _remat_step(self, nearest: SearchResult) -> list[str]:
+        """Remat for the nearest candidate (remat off), unless its remat-on
+        twin was compiled (its row says how far that is)."""
+        twins = [
+            r
+            for r in self.results
+            if r.candidate.policy == nearest.candidate.policy
+            and r.mesh == nearest.mesh
+            and r.remat is not None
+        ]
+        tried = [r for r in twins if r.status != "skipped"]
+        if tried:
+            return []
+        if twins:
+            return [f"  - remat: {twins[0].description} was {twins[0].reason}"]
+        return [
+            "  - remat: recomputing the activations in the backward pass keeps "
+            "fewer alive; add Candidate("
+            f"{nearest.policy!r}, {nearest.mesh}, remat='full') to candidates="
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "title": self.title,
             "seconds": self.seconds,
             "notes": list(self.notes),
+            "next_steps": self.next_steps(),
             "results": [result.to_dict() for result in self.results],
         }
 
@@ -256,11 +369,9 @@ def _fits_text(result: SearchResult) -> str:
     refused = [s for s in result.compiled.steps.values() if s.error]
     if result.fits is False and refused:
         return "no (XLA)"
-    margin = result.margin_bytes
     if result.fits is None:
         return "unknown"
-    word = "yes" if result.fits else "no"
-    return f"{word}, {_bytes(abs(margin))} {'spare' if result.fits else 'short'}"
+    return f"yes, {_bytes(result.margin_bytes)} spare" if result.fits else "no"
 
 
 def _row(result: SearchResult) -> list[str]:
@@ -271,8 +382,9 @@ def _row(result: SearchResult) -> list[str]:
         str(result.rank) if result.rank is not None else "-",
         candidate.label,
         candidate.mesh_text,
-        candidate.remat or "off",
+        candidate.description.split(", remat ", 1)[1],
         _fits_text(result),
+        _bytes(result.shortfall_bytes),
         _bytes(result.peak_bytes),
         "-" if step is None else f"{step * 1e3:.3g} ms",
         "-" if result.mfu is None else f"{100 * result.mfu:.1f}%",
@@ -289,6 +401,7 @@ HEADER = [
     "mesh",
     "remat",
     "fits",
+    "short",
     "peak/device",
     "step time",
     "MFU",
@@ -296,16 +409,20 @@ HEADER = [
 ]
 
 
-def render_table(results: SearchResults) -> str:
+def render_table(
+    results: SearchResults, say: Callable[[str], str] | None = None
+) -> str:
     """The ranked table, then why each candidate below it failed or was
-    not tried, then the notes."""
+    not tried, then the notes and, when nothing fits, what to try next
+    (`say` words those for where they are shown: the command's flags)."""
+    say = say or (lambda text: text)
     rows = [HEADER] + [_row(result) for result in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
     lines = [results.title]
     for row in rows:
         lines.append(
             "  ".join(
-                cell.rjust(width) if index in (0, 5, 6, 7, 8) else cell.ljust(width)
+                cell.rjust(width) if index in (0, 5, 6, 7, 8, 9) else cell.ljust(width)
                 for index, (cell, width) in enumerate(zip(row, widths, strict=True))
             ).rstrip()
         )
@@ -321,7 +438,8 @@ def render_table(results: SearchResults) -> str:
                 f"* {result.description}: {len(result.warnings)} warning(s) (its "
                 f".warnings), the first: {_one_line(result.warnings[0], 200)}"
             )
-    lines += [f"* {note}" for note in results.notes]
+    lines += [say(f"* {note}") for note in results.notes]
+    lines += [say(line) for line in results.next_steps()]
     return "\n".join(lines)
 
 

@@ -49,6 +49,23 @@ GRIDS_3D = {
 _EXAMPLES = '"v5e:2x2", "v5e-256", "v5p:4x4x8", "v6e-8" or "cpu:8"'
 
 
+def known_slices(generation: str) -> str:
+    """The slices of `generation` Cloud offers, in words: their chip grids,
+    one host's and several hosts'."""
+    rank, counts_cores = GENERATIONS[generation]
+    grids = GRIDS_3D if rank == 3 else GRIDS_2D
+    host_chips = 4 if rank == 3 else 8  # v4, v5p: 2x2x1 a host; v5e, v6e: 2x4
+    one_host = [grid for chips, grid in grids.items() if chips <= host_chips]
+    several = [grid for grid in grids.values() if grid not in one_host]
+    unit = "TensorCores, two a chip" if counts_cores else "chips"
+    return (
+        f"The {generation} slices: {', '.join(one_host)} (one host), "
+        f"{', '.join(several)} (several hosts); by Cloud's names "
+        f"{generation}-N, N the {unit}: "
+        f"{', '.join(str(c * 2 if counts_cores else c) for c in grids)}."
+    )
+
+
 @dataclass(frozen=True)
 class Topology:
     """A topology by name.
@@ -124,6 +141,15 @@ def parse_topology(name: object, num_slices: object = 1) -> Topology:
             raise ValueError(
                 f"A {generation} slice is a {rank}-D grid of chips, e.g. "
                 f"{generation}:{next(iter(grids.values()))}. Received: "
+                f"topology={name!r}"
+            )
+        if any(size > 1 and size % 2 for size in dims[:2]):
+            # libtpu lays a slice out on hosts of 2x2 chips: a grid of more
+            # than one chip along an axis must fill whole hosts.
+            raise ValueError(
+                f"There is no {generation} slice of {grid.group(2)} chips: each "
+                "of the grid's first two sizes is 1 or even (libtpu places "
+                f"2x2 chips on a host). {known_slices(generation)} Received: "
                 f"topology={name!r}"
             )
         return Topology(

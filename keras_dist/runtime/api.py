@@ -133,7 +133,9 @@ def initialize(
     that a launcher or cluster started as one of several and that never
     called it cannot run a distributed `fit`, `evaluate` or `predict`, a
     `kd.Checkpoint` or `kd.export` (they raise, naming this fix, instead of
-    running alone: `keras_dist.runtime.join_check`).
+    running alone: `keras_dist.runtime.join_check`). A job the backend
+    already joined (the script called `jax.distributed.initialize()` first)
+    is taken as it is, when it is the job keras_dist finds.
 
     Args:
         job_addresses: `"host:port"` of the coordinator (process 0), or every
@@ -199,6 +201,24 @@ def initialize(
             )
         job.record_initialize()
         return
+    adapter = get_adapter()
+    own = adapter.joined_on_its_own()
+    if own is not None:
+        # The script joined through the backend first, as Keras' multi-host
+        # guide does (`jax.distributed.initialize()`): nothing more to join,
+        # and its coordinator already holds the port a roll call would take.
+        if own != (count, rank):
+            raise ValueError(
+                f"The {adapter.name} backend already joined a job as process "
+                f"{own[1]} of {own[0]} (the script initialized it itself), but "
+                f"keras_dist found process {rank} of {count}. Call "
+                "`kd.initialize()` alone, or give both the same job. Received: "
+                f"num_processes={count}, process_id={rank}"
+            )
+        job.record_join(f"joined by {adapter.name}", count, rank)
+        job.record_initialize()
+        lifecycle.install(rank)
+        return
     # Every process checks in at the coordinator first: a process that never
     # comes, or a port already in use, is then a Python error naming the ranks
     # and the address, not JAX's abort or TensorFlow's endless wait.
@@ -207,7 +227,7 @@ def initialize(
         # Process 0 starts the backend's coordinator just after letting the
         # others go; some backends abort (JAX) when it is not there yet.
         _wait_for_coordinator(coordinator, rank, count, timeout_seconds=timeout_seconds)
-    get_adapter().initialize(coordinator, count, rank, timeout_seconds=timeout_seconds)
+    adapter.initialize(coordinator, count, rank, timeout_seconds=timeout_seconds)
     # Its hooks switch on one writer from now on: `model.save` and Keras'
     # file-writing callbacks write on process 0 only, inside `fit` or not
     # (`keras_dist.training.saving`).

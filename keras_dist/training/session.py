@@ -29,6 +29,8 @@ class KerasCall:
 
     def __init__(self, name: str):
         self.name = name
+        # The distribution of the run started during the call, if one was.
+        self.distribution: Distribution | None = None
 
 
 # One per Keras fit/evaluate/predict in progress, innermost last.
@@ -112,6 +114,8 @@ class DistributedRun:
             self.stop()
             raise
         self._call = call
+        if call is not None:
+            call.distribution = self.distribution
         # One voice: only process 0 shows progress bars and per-epoch logs.
         # (Files, from checkpoints to CSV logs and TensorBoard events, are
         # written by process 0 whether a run is active or not: `saving`.)
@@ -130,6 +134,12 @@ class DistributedRun:
         started outside any (a callback's `set_model` called by hand): the
         next Keras call, on any model, stops it first."""
         return self.active and self._call not in _calls_in_progress
+
+    def wait_for_steps(self) -> None:
+        """Return once every step dispatched so far has run: a step that
+        failed on a device raises here (JAX dispatches asynchronously)."""
+        if self.active:
+            get_adapter().wait_for_steps(self.model)
 
     def stop(self) -> None:
         if not self.active:
@@ -201,7 +211,12 @@ def _runs_end_with_their_call(
     for the next call of this model or any other. With a `DistributeCallback`
     among `callbacks`, the backend adapter's `call_starting` is around the
     whole call (Keras builds the optimizer before the run starts), and
-    around any call without one (the model may hold what a run left split)."""
+    around any call without one (the model may hold what a run left split).
+
+    A distributed call returns only once its steps have run: a step that
+    failed on a device (JAX dispatches asynchronously, and with `verbose=0`
+    nothing reads a step's results) raises before the call returns, through
+    the same handling as an error raised during the call."""
     for stale in [run for run in _active_runs.values() if run.stale]:
         stale.stop()
     starting = (
@@ -215,16 +230,29 @@ def _runs_end_with_their_call(
         _calls_in_progress.append(token)
         try:
             yield
-        except Exception as error:
-            # The run, or the DistributeCallback of a call whose run had not
-            # started yet (Keras builds the optimizer's slots before it).
             run = _active_runs.get(id(model))
-            distribution = run.distribution if run else _distribution_in(callbacks)
+            if token.distribution is not None or run is not None:
+                # The run may have ended with the call (on_train_end).
+                get_adapter().wait_for_steps(model)
+        except Exception as error:
+            # The run, the one the call started (and ended), or the
+            # DistributeCallback of a call whose run had not started yet
+            # (Keras builds the optimizer's slots before it).
+            run = _active_runs.get(id(model))
+            distribution = (
+                run.distribution
+                if run
+                else token.distribution or _distribution_in(callbacks)
+            )
             if distribution is None or not out_of_memory.is_out_of_memory(error):
                 raise
+            if run is not None and run is not before:
+                # Ended before the step is compiled again for the message:
+                # the compile lays the model's steps out on its own.
+                run.stop()
             # The engine's words name buffers; the plan names the model's.
             raise out_of_memory.OutOfDeviceMemoryError(
-                out_of_memory.explain(model, distribution, name)
+                out_of_memory.explain(model, distribution, name, str(error))
                 + f"\n\nThe engine said: {str(error)[:2000]}"
             ) from error
         finally:

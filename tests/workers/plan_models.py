@@ -111,3 +111,10 @@ def compiled_mlp() -> keras.Model:
     model = mlp()
     model.compile(optimizer="adam", loss="mse")
     return model
+
+
+def mlp_without_loss() -> keras.Model:
+    """`mlp`, compiled with an optimizer and no loss."""
+    model = mlp()
+    model.compile(optimizer="adam")
+    return model

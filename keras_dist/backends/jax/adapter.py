@@ -17,7 +17,7 @@ from jax.experimental import layout as jax_layout
 from jax.experimental import multihost_utils
 
 from keras_dist.backends.base import BackendAdapter
-from keras_dist.backends.jax import compiled_plan, remat
+from keras_dist.backends.jax import compiled_plan, input_adapter, offload, remat
 from keras_dist.backends.jax import keras_internals as internals
 from keras_dist.backends.jax.input_adapter import (
     DistributedBatches,
@@ -30,7 +30,11 @@ from keras_dist.common.prefetch import prefetch_depth
 from keras_dist.common.random_streams import take_process_zero_streams
 from keras_dist.keras_compat import remat as keras_remat
 from keras_dist.keras_compat.layers import layers_of
-from keras_dist.keras_compat.optimizers import each_new_slot, slot_owners
+from keras_dist.keras_compat.optimizers import (
+    each_new_slot,
+    is_state_slot,
+    slot_owners,
+)
 
 # JAX's sharding-plus-memory-layout object (`Layout` in older releases).
 _JaxFormat = getattr(jax_layout, "Format", None) or jax_layout.Layout
@@ -172,6 +176,11 @@ class JaxAdapter(BackendAdapter):
                 f"s: {error}"
             ) from error
 
+    def joined_on_its_own(self) -> tuple[int, int] | None:
+        if not jax.distributed.is_initialized():
+            return None
+        return jax.process_count(), jax.process_index()
+
     def join_detected_cluster(self, *, timeout_seconds: float) -> bool:
         """`jax.distributed.initialize()` without arguments, as Keras calls it:
         JAX's own detection (Cloud TPU, GKE, Open MPI, `JAX_COORDINATOR_*`...)
@@ -287,23 +296,29 @@ class JaxAdapter(BackendAdapter):
         host = _host_copy_for_one_local_device(tensor, sharding)
         return jax.device_put(tensor if host is None else host, sharding)
 
+    def state_placement_problem(self, placement: Any) -> str | None:
+        return None  # every JAX platform has pinned host memory
+
     def call_starting(self, model: Any, name: str, distribution: Any) -> Any:
         """Keras builds the optimizer before the call's run starts: with
         layouts that split variables each slot is laid out as the variable
         it mirrors the moment Keras makes it (`each_new_slot`), so the
         optimizer's state is never all whole on one device (Adam's: twice
-        the model)."""
+        the model). A state slot that `offload=` keeps in host memory goes
+        there as it is made, and `optimizer_state_dtype=` is its dtype."""
         optimizer = getattr(model, "optimizer", None)
+        placement = getattr(distribution, "state_placement", None)
         if (
             not isinstance(distribution, keras.distribution.ModelParallel)
-            or optimizer is None
-            or optimizer.built
-        ):
+            and placement is None
+        ) or (optimizer is None or optimizer.built):
             return contextlib.nullcontext()
 
         def made(reference: Any, slot: Any) -> None:
             layout = distribution.layout_for_variable(reference)
-            if all(axis is None for axis in layout.axes):
+            if is_state_slot(slot):
+                layout = offload.slot_layout(placement, layout)
+            if all(axis is None for axis in getattr(layout, "axes", (0,))):
                 return
             try:
                 _check_layout_divides(slot, layout)
@@ -311,10 +326,21 @@ class JaxAdapter(BackendAdapter):
                 return  # the run's start refuses it, with the whole plan
             internals.relayout_variable(slot, layout)
 
-        return each_new_slot(optimizer, made)
+        return each_new_slot(
+            offload.updating(optimizer),
+            made,
+            state_dtype=offload.slot_dtype_for(placement),
+        )
 
     def activate(self, model: Any, distribution: Any) -> None:
+        input_adapter.forget_last_batch()
         planned = _layouts_for(model, distribution)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and optimizer.built:
+            placement = getattr(distribution, "state_placement", None)
+            offload.check_built_slots(
+                offload.updating(optimizer), model.trainable_variables, placement
+            )
         # Before anything moves: a failed move would leave the model half laid
         # out (its layout set, its value not), and even a plain `fit` broken.
         for variable, layout in planned:
@@ -377,6 +403,11 @@ class JaxAdapter(BackendAdapter):
         `predict` run, and the compiled plan compiles), until `deactivate`."""
         internals.install_steps(model, distribution, trim_outputs, jax.value_and_grad)
         self._on_deactivate(model, lambda: internals.remove_steps(model))
+        placement = getattr(distribution, "state_placement", None)
+        if placement is not None and getattr(model, "optimizer", None) is not None:
+            # Each variable's update moves and casts its own slots.
+            updating = offload.updating(model.optimizer)
+            self._on_deactivate(model, offload.install(updating, placement))
         layers = layers_of(model)
         if getattr(distribution, "remat", None) is not None or any(
             keras_remat.mode_of(layer) is not None for layer in layers
@@ -398,9 +429,13 @@ class JaxAdapter(BackendAdapter):
         return compiled_plan.topology_devices(platform, name, count, num_slices)
 
     def topology_mesh_devices(
-        self, devices: list[Any], shape: tuple[int, ...], num_slices: int
+        self,
+        devices: list[Any],
+        shape: tuple[int, ...],
+        num_slices: int,
+        slice_axis: int | None = None,
     ) -> Any:
-        return compiled_plan.device_mesh_array(devices, shape, num_slices)
+        return compiled_plan.device_mesh_array(devices, shape, num_slices, slice_axis)
 
     def compile_steps(
         self, model: Any, distribution: Any, data: Any, kinds: tuple[str, ...]
@@ -414,20 +449,44 @@ class JaxAdapter(BackendAdapter):
         previous = keras.distribution.distribution()
         keras.distribution.set_distribution(distribution)
         self._install_steps(model, distribution)
+        placement = getattr(distribution, "state_placement", None)
         try:
             steps = {}
             for kind in kinds:
                 batch = compiled_plan.batch_structs(
                     distribution, data[:1] if kind == "predict" else data
                 )
-                steps[kind] = compiled_plan.compile_step(model, kind, state, batch)
+                with offload.stored_dtypes(model, placement):
+                    steps[kind] = compiled_plan.compile_step(model, kind, state, batch)
             return steps
         finally:
             self._undo_activation(model)
             keras.distribution.set_distribution(previous)
 
+    def last_batch_shapes(self) -> Any:
+        return input_adapter.last_batch_shapes()
+
     def deactivate(self, model: Any) -> None:
         self._undo_activation(model)
+
+    def wait_for_steps(self, model: Any) -> None:
+        """JAX dispatches steps asynchronously: a step that failed on a device
+        (out of memory, a host callback that raised) leaves errors in its
+        outputs, and nothing raises until someone reads them (with `verbose=0`
+        nobody does). Block on the state Keras last wrote back into the
+        model's variables: it depends on every step dispatched before."""
+        optimizer = getattr(model, "optimizer", None)
+        variables = [
+            *model.trainable_variables,
+            *model.non_trainable_variables,
+            *(optimizer.variables if optimizer is not None else ()),
+            *model.metrics_variables,
+        ]
+        values = [getattr(variable, "value", None) for variable in variables]
+        # A deleted value (donated to a step) holds nothing to wait on.
+        jax.block_until_ready(
+            [v for v in values if isinstance(v, jax.Array) and not v.is_deleted()]
+        )
 
     def take_process_zero_streams(self) -> None:
         """Every process takes process 0's NumPy and Python random generators,
@@ -506,10 +565,13 @@ def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
         # Unbuilt, it still has its step counter (and learning rate): laid out
         # too, or Keras' jit sees local and mesh variables mixed.
         owners = slot_owners(optimizer, model.trainable_variables)
+        placement = getattr(distribution, "state_placement", None)
         for variable in optimizer.variables:
             owner = owners.get(id(variable))
             if owner is not None:
                 layout = planned[id(owner)][1]
+                if is_state_slot(variable):
+                    layout = offload.slot_layout(placement, layout)
             else:
                 layout = distribution.layout_for_variable(variable)
             planned[id(variable)] = (variable, layout)

@@ -47,6 +47,29 @@ def _process_rows(sharding: Any, global_shape: tuple[int, ...]) -> slice:
     return rows
 
 
+# The shapes and dtypes of the last global batch laid out in this process
+# (before padding), for the plan of a call that ran out of memory.
+_last_batch: list[Any] = []
+
+
+def last_batch_shapes() -> Any:
+    """The last global batch laid out since `forget_last_batch`, as
+    `jax.ShapeDtypeStruct`s in the batch's structure, or None."""
+    return _last_batch[0] if _last_batch else None
+
+
+def forget_last_batch() -> None:
+    _last_batch.clear()
+
+
+def _record(batch: Any) -> None:
+    shapes = jax.tree_util.tree_map(
+        lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), np.asarray(leaf).dtype),
+        batch,
+    )
+    _last_batch[:] = [shapes]
+
+
 class _BatchMaker:
     """Pads a global batch and lays it out: each process keeps the rows of its
     own devices. Holds no reference to the iterator that uses it (it may run
@@ -62,6 +85,7 @@ class _BatchMaker:
         """`batch` padded (unless `replicate_uneven`) and laid out, with its
         global size and the rows of it that are real."""
         size = leading_dim(batch)
+        _record(batch)
         if not self._replicate_uneven:
             batch = pad_batch(batch, self._distribution.num_model_replicas)
         kept = (leading_dim(batch), slice(0, size))

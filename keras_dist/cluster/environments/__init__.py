@@ -18,6 +18,9 @@
    - `KubeflowTorchEnvironment`: torchrun's `PET_NNODES`, `PET_NODE_RANK`,
      `PET_MASTER_ADDR`, `PET_MASTER_PORT` without torchrun (Kubeflow
      Trainer's torch runtime, one process per pod);
+   - `CloudTpuEnvironment`: a Cloud TPU slice's `TPU_WORKER_HOSTNAMES` (or
+     `TPU_PROCESS_ADDRESSES`), `TPU_WORKER_ID` and, for several slices,
+     `MEGASCALE_*` (what JAX's Cloud TPU detection reads on GKE);
    - `JobSetEnvironment`: JobSet's coordinator, global-replicas and
      job-global-index annotations, projected into `JOBSET_*` variables;
    - `TFConfigEnvironment`: the `TF_CONFIG` JSON of TensorFlow clusters
@@ -43,8 +46,11 @@ variables describe the torchrun launchers. The Kubernetes ones follow SLURM
 is one): the JAX runtime's `JAX_*` name the job outright; `PET_*` come after
 torchrun, whose processes inherit them from their torchrun; JobSet's
 annotations come after both, because a Kubeflow TrainJob is itself a JobSet
-and its runtime's variables are the specific ones. `TF_CONFIG` comes last: it
-is the least specific, and stale copies of it are common in notebooks.
+and its runtime's variables are the specific ones; a Cloud TPU worker's
+variables come before JobSet's too: a TPU slice runs as one Job of several
+pods (one a host), which JobSet's annotations cannot number. `TF_CONFIG`
+comes last: it is the least specific, and stale copies of it are common in
+notebooks.
 
 Variables that are present but incomplete or inconsistent are an error naming
 them and their values, never a silent single-process run.
@@ -57,6 +63,7 @@ from keras_dist.cluster.environments.base import (
     environment_int,
     environment_value,
 )
+from keras_dist.cluster.environments.cloud_tpu import CloudTpuEnvironment
 from keras_dist.cluster.environments.detection import (
     CLUSTER_ENVIRONMENTS,
     detect_cluster,
@@ -76,6 +83,7 @@ __all__ = [
     "CLUSTER_ENVIRONMENTS",
     "ENVIRONMENT_VARIABLES",
     "RAY_COORDINATOR_VARIABLE",
+    "CloudTpuEnvironment",
     "ClusterEnvironment",
     "JaxEnvironment",
     "JobSetEnvironment",

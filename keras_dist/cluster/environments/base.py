@@ -55,6 +55,26 @@ JOBSET_VARIABLES = (
 )
 
 
+#: A Cloud TPU slice's hosts in worker order, as JAX's Cloud TPU detection
+#: reads them (the first one set counts), and this host's index among them.
+CLOUD_TPU_HOSTS_VARIABLES = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")
+CLOUD_TPU_WORKER_ID_VARIABLES = ("TPU_WORKER_ID", "CLOUD_TPU_TASK_ID")
+
+
+#: Several slices joined by the data-center network (multislice).
+CLOUD_TPU_SLICE_VARIABLES = (
+    "MEGASCALE_NUM_SLICES",
+    "MEGASCALE_SLICE_ID",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+)
+
+
+#: The coordinator's port on a Cloud TPU slice: keras_dist's variable, else
+#: JAX's, else JAX's fixed port.
+CLOUD_TPU_PORT_VARIABLES = (SLURM_COORDINATOR_PORT_VARIABLE, "JAX_COORDINATOR_PORT")
+DEFAULT_CLOUD_TPU_COORDINATOR_PORT = 8482
+
+
 #: Set by Kubernetes in every pod of an Indexed Job: the pod's index in its Job.
 JOB_COMPLETION_INDEX_VARIABLE = "JOB_COMPLETION_INDEX"
 
@@ -77,6 +97,10 @@ ENVIRONMENT_VARIABLES = (
     *JOBSET_VARIABLES,
     JOB_COMPLETION_INDEX_VARIABLE,
     RAY_COORDINATOR_VARIABLE,
+    *CLOUD_TPU_HOSTS_VARIABLES,
+    *CLOUD_TPU_WORKER_ID_VARIABLES,
+    *CLOUD_TPU_SLICE_VARIABLES,
+    "JAX_COORDINATOR_PORT",
 )
 
 

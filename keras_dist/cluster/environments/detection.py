@@ -9,6 +9,7 @@ from keras_dist.cluster.environments.base import (
     ClusterEnvironment,
     environment_value,
 )
+from keras_dist.cluster.environments.cloud_tpu import CloudTpuEnvironment
 from keras_dist.cluster.environments.kubernetes import (
     JaxEnvironment,
     JobSetEnvironment,
@@ -26,6 +27,7 @@ CLUSTER_ENVIRONMENTS: tuple[type[ClusterEnvironment], ...] = (
     SlurmEnvironment,
     JaxEnvironment,
     KubeflowTorchEnvironment,
+    CloudTpuEnvironment,
     JobSetEnvironment,
     TFConfigEnvironment,
 )
