@@ -98,7 +98,7 @@ def test_fit_raises_the_out_of_memory_error_whatever_verbose(verbose):
     message = str(raised.value)
     assert "RESOURCE_EXHAUSTED" in message or "Out of memory" in message
     # It says what it could not read, never "unknown".
-    assert "memory limit could not be read (CPU devices report none)" in message
+    assert "limit could not be read (the engine reports none for them" in message
     assert "unknown" not in message
     # At the failed epoch's end, not after every later epoch.
     assert epochs.begun == [0]

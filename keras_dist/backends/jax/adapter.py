@@ -470,11 +470,9 @@ class JaxAdapter(BackendAdapter):
         self._undo_activation(model)
 
     def wait_for_steps(self, model: Any) -> None:
-        """JAX dispatches steps asynchronously: a step that failed on a device
-        (out of memory, a host callback that raised) leaves errors in its
-        outputs, and nothing raises until someone reads them (with `verbose=0`
-        nobody does). Block on the state Keras last wrote back into the
-        model's variables: it depends on every step dispatched before."""
+        """Block on the state Keras last wrote back into the model (it depends
+        on every step dispatched): JAX dispatches asynchronously, and a failed
+        step raises only when read (with `verbose=0` nothing reads it)."""
         optimizer = getattr(model, "optimizer", None)
         variables = [
             *model.trainable_variables,
@@ -483,8 +481,7 @@ class JaxAdapter(BackendAdapter):
             *model.metrics_variables,
         ]
         values = [getattr(variable, "value", None) for variable in variables]
-        # A deleted value (donated to a step) holds nothing to wait on.
-        jax.block_until_ready(
+        jax.block_until_ready(  # a deleted (donated) value holds nothing
             [v for v in values if isinstance(v, jax.Array) and not v.is_deleted()]
         )
 
