@@ -160,6 +160,16 @@ def test_without_the_hosts_the_slice_is_left_to_jaxs_own_detection(monkeypatch):
     assert resolve_job().count == 1
 
 
+def test_one_host_alone_is_no_job(monkeypatch):
+    """`TPU_WORKER_HOSTNAMES=localhost` alone (libtpu's single-host set-up)
+    runs one process; a worker id beside it makes it a job."""
+    _set(monkeypatch, TPU_WORKER_HOSTNAMES="localhost")
+    assert detect_cluster() is None
+    assert resolve_job().count == 1
+    _set(monkeypatch, TPU_WORKER_ID="0")
+    assert isinstance(detect_cluster(), CloudTpuEnvironment)
+
+
 @pytest.fixture
 def worker_two(monkeypatch):
     """Worker 2 of 4 whose script joined through the backend itself first

@@ -107,6 +107,17 @@ def test_a_state_dtype_that_is_no_float_is_refused(dtype):
         kd.DataParallel(optimizer_state_dtype=dtype)
 
 
+@jax_only
+def test_with_options_changes_where_the_state_lives():
+    base = kd.DataParallel()
+    twin = base.with_options(offload="optimizer", optimizer_state_dtype="bfloat16")
+    assert (twin.offload, twin.optimizer_state_dtype) == ("optimizer", "bfloat16")
+    assert (base.offload, base.optimizer_state_dtype) == (None, None)
+    assert twin.with_options(offload=None).offload is None
+    with pytest.raises(TypeError, match="with_options takes"):
+        base.with_options(batch_size=2)
+
+
 @pytest.mark.backend("torch", "tensorflow")
 @pytest.mark.parametrize(
     "placement", [{"offload": "optimizer"}, {"optimizer_state_dtype": "bfloat16"}]
@@ -322,6 +333,14 @@ def test_an_optimizer_built_in_float32_is_refused_for_bfloat16_state():
     distribution = kd.DataParallel(optimizer_state_dtype="bfloat16")
     with pytest.raises(ValueError, match="Compile the model again"):
         _fit(model, distribution)
+
+
+@jax_only
+def test_bfloat16_slots_are_refused_by_a_distribution_without_the_state_dtype():
+    model = _model(keras.optimizers.Adam(0.01))
+    _fit(model, kd.DataParallel(optimizer_state_dtype="bfloat16"))
+    with pytest.raises(ValueError, match="narrower than its variable"):
+        _fit(model, kd.DataParallel())
 
 
 @pytest.mark.backend("jax")

@@ -1,6 +1,7 @@
 """Where the optimizer's state lives and in which dtype: a distribution's
-`offload=` and `optimizer_state_dtype=`, read by the step builder, the
-checkpoint and the plan (one place decides).
+`offload=` and `optimizer_state_dtype=`, read by the step builder and the
+plan (one place decides; the checkpoint saves and restores the slots where
+and as they are).
 
 ```
                       slots (Adam's moments,    step counter, learning
@@ -154,7 +155,6 @@ class PlacesState:
         some of `remat`, `offload` and `optimizer_state_dtype` changed, as
         the constructor takes them (the memory savers a plan compiles)."""
         # Imported here: the policies import this module.
-        from keras_dist.backends import get_adapter  # noqa: PLC0415
         from keras_dist.distribution.remat import check_remat  # noqa: PLC0415
 
         allowed = ("remat", "offload", "optimizer_state_dtype")
@@ -168,6 +168,5 @@ class PlacesState:
             twin._state_placement = state_placement(
                 options.get("offload", self.offload),
                 options.get("optimizer_state_dtype", self.optimizer_state_dtype),
-                get_adapter().state_placement_problem,
             )
         return twin

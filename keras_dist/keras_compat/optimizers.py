@@ -274,6 +274,10 @@ def _check_state_hooks() -> list[str]:
     with each_new_slot(adam, lambda ref, slot: None, state_dtype=lambda ref: "float16"):
         adam.build(dense.trainable_variables)
     missing = []
+    if keras.backend.backend() != "jax":
+        # The state hooks run in JAX's stateless step alone (offload and
+        # the state dtype are JAX's); other backends have no stateless_apply.
+        return missing
     if not any(v is micro_step_counter(adam) for v in adam.variables):
         missing.append("Optimizer._iterations")
     slots = state_slots(adam, dense.trainable_variables)

@@ -547,25 +547,34 @@ def plan_search(
     savers = candidates is None or all(isinstance(c, str) for c in candidates)
     search = _Search(model, made, job, topology_mesh, savers)
     keys = {}
-    if cache is not None:
-        model_part = model_fingerprint(made)
-        for candidate in order:
-            keys[candidate] = cache_key(model_part, job.fingerprint(), candidate)
-            entry = cache.load(keys[candidate])
-            if entry is None:
-                continue
-            compiled = compiled_from_dict(
+    model_part = None if cache is None else model_fingerprint(made)
+
+    def cached(candidate: Candidate) -> bool:
+        """Whether `candidate`'s result was read from the cache."""
+        if cache is None:
+            return False
+        keys[candidate] = cache_key(model_part, job.fingerprint(), candidate)
+        entry = cache.load(keys[candidate])
+        if entry is None:
+            return False
+        search.results[candidate] = SearchResult(
+            candidate,
+            "cached",
+            compiled=compiled_from_dict(
                 entry["compiled"], device_memory or chip_memory
-            )
-            search.results[candidate] = SearchResult(
-                candidate,
-                "cached",
-                compiled=compiled,
-                problems=entry_problems(entry),
-                warnings=list(entry.get("warnings", [])),
-                maker=search.maker(candidate),
-            )
-    to_compile = [c for c in order if c not in search.results]
+            ),
+            problems=entry_problems(entry),
+            warnings=list(entry.get("warnings", [])),
+            maker=search.maker(candidate),
+        )
+        return True
+
+    to_compile = [c for c in order if not cached(c)]
+    # A cached plain candidate gets its savers, as a compiled one does.
+    for candidate, result in list(search.results.items()):
+        for saver in search.savers_of(candidate, result):
+            if saver not in to_compile and not cached(saver):
+                to_compile.append(saver)
     workers, executor = _executor(model, processes, len(to_compile), search)
     deadline = None if time_budget is None else began + time_budget
     with (
@@ -578,8 +587,9 @@ def plan_search(
         finally:
             executor.shutdown(wait=True, cancel_futures=True)
     if cache is not None:
-        for candidate in to_compile:
-            result = search.results[candidate]
+        for candidate, result in search.results.items():
+            if candidate not in keys:  # a saver added while searching
+                keys[candidate] = cache_key(model_part, job.fingerprint(), candidate)
             if result.status == "compiled" and result.compiled is not None:
                 cache.store(
                     keys[candidate],

@@ -164,6 +164,8 @@ def stable_key(candidate: Candidate) -> tuple:
         POLICIES.index(candidate.policy),
         tuple(candidate.mesh.items()),
         REMAT.index(candidate.remat),
+        candidate.offload or "",
+        candidate.optimizer_state_dtype or "",
     )
 
 

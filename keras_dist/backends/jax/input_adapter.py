@@ -62,12 +62,14 @@ def forget_last_batch() -> None:
     _last_batch.clear()
 
 
-def _record(batch: Any) -> None:
-    shapes = jax.tree_util.tree_map(
-        lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), np.asarray(leaf).dtype),
-        batch,
-    )
-    _last_batch[:] = [shapes]
+def _record(structure: Any, arrays: list) -> None:
+    """Keep the shapes of the batch laid out last (the arrays already made
+    for it: nothing is converted again)."""
+    shapes = [
+        None if array is None else jax.ShapeDtypeStruct(array.shape, array.dtype)
+        for array in arrays
+    ]
+    _last_batch[:] = [jax.tree_util.tree_unflatten(structure, shapes)]
 
 
 class _BatchMaker:
@@ -85,7 +87,6 @@ class _BatchMaker:
         """`batch` padded (unless `replicate_uneven`) and laid out, with its
         global size and the rows of it that are real."""
         size = leading_dim(batch)
-        _record(batch)
         if not self._replicate_uneven:
             batch = pad_batch(batch, self._distribution.num_model_replicas)
         kept = (leading_dim(batch), slice(0, size))
@@ -93,6 +94,7 @@ class _BatchMaker:
             batch, is_leaf=lambda leaf: leaf is None
         )
         arrays = [None if leaf is None else np.asarray(leaf) for leaf in leaves]
+        _record(structure, arrays)
         present = [index for index, leaf in enumerate(arrays) if leaf is not None]
         placements = [self._placement_of(arrays[index].shape) for index in present]
         if self._one_process:

@@ -65,10 +65,24 @@ def updating(optimizer: Any) -> Any:
 
 def check_built_slots(optimizer: Any, variables: list, placement: Any) -> None:
     """Refuse an optimizer built before in another state dtype (its slots
-    cannot change dtype): naming the slot and what to do."""
-    if placement is None or placement.optimizer_state_dtype is None:
-        return
+    cannot change dtype): naming the slot and what to do. Without a state
+    dtype, slots narrower than their variable (left by an earlier run with
+    one) are refused too: updated as they are, they would lose precision."""
     by_id = {id(variable): variable for variable in variables}
+    if placement is None or placement.optimizer_state_dtype is None:
+        for owner, slots in keras_optimizers.state_slots(optimizer, variables).items():
+            wide = jax.numpy.dtype(by_id[owner].dtype).itemsize
+            for slot in slots:
+                if jax.numpy.dtype(slot.dtype).itemsize < wide:
+                    raise ValueError(
+                        f"The optimizer's slot {slot.path!r} is {slot.dtype}, "
+                        f"narrower than its variable ({by_id[owner].dtype}): it "
+                        "was built under optimizer_state_dtype. Pass the same "
+                        "optimizer_state_dtype to this distribution, or compile "
+                        "the model again (a new optimizer). Received: "
+                        "optimizer_state_dtype=None"
+                    )
+        return
     for owner, slots in keras_optimizers.state_slots(optimizer, variables).items():
         wanted = placement.slot_dtype(by_id[owner].dtype)
         for slot in slots:

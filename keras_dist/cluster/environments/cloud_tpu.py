@@ -70,7 +70,21 @@ class CloudTpuEnvironment(ClusterEnvironment):
 
     @staticmethod
     def detect() -> bool:
-        return any(environment_value(name) for name in CLOUD_TPU_HOSTS_VARIABLES)
+        """A hosts variable naming several hosts, or one beside a worker id or
+        several slices. One host alone (`TPU_WORKER_HOSTNAMES=localhost`, as
+        single-host set-ups of libtpu export) is no job of several."""
+        name = next(
+            (name for name in CLOUD_TPU_HOSTS_VARIABLES if environment_value(name)),
+            None,
+        )
+        if name is None:
+            return False
+        hosts = [entry for entry in environment_value(name).split(",") if entry.strip()]
+        return (
+            len(hosts) > 1
+            or any(environment_value(n) for n in CLOUD_TPU_WORKER_ID_VARIABLES)
+            or environment_value("MEGASCALE_NUM_SLICES") not in (None, "1")
+        )
 
     @property
     def num_processes_source(self) -> str:
