@@ -335,6 +335,8 @@ INLINE_NOT_RUN = {
     "its figures and command are in benchmarks/README.md",
     "TPU_SKIP_MDS_QUERY=1 KERAS_BACKEND=jax python plan_slice.py": "a block that "
     "needs libtpu, saved as a file: how the output shown was made",
+    "KERAS_BACKEND=jax python benchmarks/host_transfer_check.py": "needs a TPU "
+    "chip: its figures are on the page",
     "python benchmarks/offload.py --mode compiled --layers 8 --width 8192 "
     "--accumulation 4": "a benchmark that compiles for a TPU chip (libtpu, minutes "
     "of CPU): its figures are on the page",

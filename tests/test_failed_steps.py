@@ -121,6 +121,11 @@ def test_evaluate_predict_and_the_trainer_raise_with_verbose_0():
 def test_the_message_says_which_memory_it_could_not_read():
     """A device of no known kind (planned devices this host lacks): its
     memory is not read, and the message says why instead of "unknown"."""
+    from keras_dist.backends.jax import input_adapter
+
+    # No batch of an earlier call: the account from shapes, as for a call
+    # whose batch was not seen.
+    input_adapter.forget_last_batch()
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
     model.compile(optimizer="adam", loss="mse")
     distribution = kd.DataParallel(devices=["gpu:0", "gpu:1"])

@@ -170,8 +170,10 @@ module = importlib.util.module_from_spec(spec)
 sys.modules["launcher"] = module
 spec.loader.exec_module(module)
 # keras_dist's package itself is light; only its cluster/ modules may load.
+# (common.tpu_host: the standard library alone, which platforms JAX starts.)
 light = ("keras_dist", "keras_dist._version", "keras_dist.distribution",
-         "keras_dist.runtime", "keras_dist.runtime.device_simulation")
+         "keras_dist.runtime", "keras_dist.runtime.device_simulation",
+         "keras_dist.common", "keras_dist.common.tpu_host")
 heavy = sorted(
     name for name in sys.modules
     if name.split(".")[0] in ("keras", "keras_dist", "jax", "torch", "tensorflow")
