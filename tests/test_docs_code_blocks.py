@@ -331,8 +331,6 @@ INLINE_NOT_RUN = {
     "a TPU chip; the page's CPU commands run in tests/test_fine_tune_recipe.py",
     "KERAS_BACKEND=jax python benchmarks/compiled_plan_check.py": "a benchmark: "
     "its figures and command are in benchmarks/README.md",
-    "KERAS_BACKEND=jax python benchmarks/out_of_memory_check.py": "a benchmark: "
-    "its figures and command are in benchmarks/README.md",
     "TPU_SKIP_MDS_QUERY=1 KERAS_BACKEND=jax python plan_slice.py": "a block that "
     "needs libtpu, saved as a file: how the output shown was made",
     "KERAS_BACKEND=jax python benchmarks/host_transfer_check.py": "needs a TPU "
