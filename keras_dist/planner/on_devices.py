@@ -327,21 +327,27 @@ def _shortfall_line(
     return "; ".join(parts) + "."
 
 
+def fresh_optimizer(model: Any) -> Any:
+    """A new optimizer of `model`'s optimizer's class, or None: its slots are
+    the same, and its config is not read from variables a failed call may
+    have left without values (Keras' JAX trainer keeps them in its state)."""
+    compiled = getattr(model, "optimizer", None)
+    if compiled is None:
+        return None
+    return type(getattr(compiled, "inner_optimizer", compiled))()
+
+
 def _largest_lines(model: Any, distribution: Any) -> list[str]:
     """The largest variables and optimizer slots a device holds, in the
     plan's words (from shapes: exact for variables)."""
     from keras_dist.planner.plan import plan  # noqa: PLC0415
 
-    # A fresh optimizer of the model's class: its slots are the same, and its
-    # config is not read from variables the failed call may have left without
-    # values (Keras' JAX trainer keeps them in its own state).
-    compiled = getattr(model, "optimizer", None)
-    optimizer = None
-    if compiled is not None:
-        optimizer = type(getattr(compiled, "inner_optimizer", compiled))()
     try:
         result = plan(
-            model, distribution, on_indivisible="replicate", optimizer=optimizer
+            model,
+            distribution,
+            on_indivisible="replicate",
+            optimizer=fresh_optimizer(model),
         )
     except Exception as error:  # the plan is a help; never hide the OOM
         return [

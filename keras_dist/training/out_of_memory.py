@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from keras_dist.distribution.policies import FSDP, DataParallel
+from keras_dist.planner.on_devices import fresh_optimizer
 
 _WORDS = ("resource_exhausted", "out of memory", "resource exhausted")
 
@@ -83,13 +84,7 @@ def static_explanation(model: Any, distribution: Any, name: str) -> str:
     """The static plan's account of the failed call (shapes only)."""
     from keras_dist.planner.plan import plan  # noqa: PLC0415
 
-    # A fresh optimizer of the model's class: its slots are the same, and
-    # its config is not read from variables the failed call may have left
-    # without values (Keras' JAX trainer keeps them in its own state).
-    compiled = getattr(model, "optimizer", None)
-    optimizer = None
-    if compiled is not None:
-        optimizer = type(getattr(compiled, "inner_optimizer", compiled))()
+    optimizer = fresh_optimizer(model)
     try:
         result = plan(
             model, distribution, on_indivisible="replicate", optimizer=optimizer
