@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from keras_dist.distribution.policies import FSDP, DataParallel
-from keras_dist.planner.on_devices import fresh_optimizer
 
 _WORDS = ("resource_exhausted", "out of memory", "resource exhausted")
 
@@ -82,6 +81,7 @@ def explain(model: Any, distribution: Any, name: str, error: str = "") -> str:
 
 def static_explanation(model: Any, distribution: Any, name: str) -> str:
     """The static plan's account of the failed call (shapes only)."""
+    from keras_dist.planner.on_devices import fresh_optimizer  # noqa: PLC0415
     from keras_dist.planner.plan import plan  # noqa: PLC0415
 
     optimizer = fresh_optimizer(model)
