@@ -1,6 +1,7 @@
 """What a call under a distribution gives the model's layers, and takes back
-when it ends: recomputation (`remat=`, `distribution.remat`), then the compute
-dtype of a mixed-precision policy (`distribution.mixed_precision`). A run
+when it ends: recomputation (`remat=`, `distribution.remat`), the compute
+dtype of a mixed-precision policy (`distribution.mixed_precision`), then the
+attention layout of a sequence axis (`distribution.sequence`). A run
 (`training.session`) and the compiled plan (`planner.compiled`) apply the same.
 """
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from keras_dist.distribution.mixed_precision import compute_in
 from keras_dist.distribution.remat import rematerialize
+from keras_dist.distribution.sequence import split_sequence
 
 
 def apply_layer_settings(
@@ -42,6 +44,8 @@ def apply_layer_settings(
         policy = getattr(distribution, "mixed_precision", None)
         if policy is not None:
             undo.append(compute_in(model, policy, warn=warn))
+        if getattr(distribution, "sequence_axis", None) is not None:
+            undo.append(split_sequence(model, distribution))
     except BaseException:
         undo_all()
         raise

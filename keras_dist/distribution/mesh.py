@@ -265,3 +265,28 @@ def check_mesh(device_mesh: Any) -> Any:
             f"{type(device_mesh).__name__}"
         )
     return device_mesh
+
+
+def one_axis_mesh(device_mesh: Any, devices: Any, axis: str, who: str) -> Any:
+    """`device_mesh`, else a 1-D mesh named `axis` over `devices` (every
+    device of `list_devices()` when None); `who` names the policy in errors."""
+    if device_mesh is not None and devices is not None:
+        raise ValueError(
+            f"Give {who} either `device_mesh` or `devices`, not both. "
+            f"Received: device_mesh={device_mesh}, devices={devices}"
+        )
+    if device_mesh is not None:
+        return check_mesh(device_mesh)
+    if devices is None:
+        devices = runtime.list_devices()
+    if isinstance(devices, str) or not isinstance(devices, (list, tuple, np.ndarray)):
+        raise TypeError(
+            "`devices` must be a list of device names such as "
+            f"['cpu:0', 'cpu:1']. Received: devices={devices!r}"
+        )
+    devices = list(np.asarray(devices, dtype=object).reshape(-1))
+    if not devices:
+        raise ValueError(
+            "`devices` must name at least one device. Received: devices=[]"
+        )
+    return DeviceMesh((len(devices),), [axis], devices)

@@ -14,17 +14,22 @@ from keras_dist.backends import get_adapter
 from keras_dist.common import job
 from keras_dist.distribution.layout_map import lora_axes, lora_base_path
 from keras_dist.distribution.mesh import (
-    DeviceMesh,
     TensorLayout,
     check_mesh,
     describe_mesh,
+    one_axis_mesh,
     validate_axes_in_mesh,
 )
 from keras_dist.distribution.mixed_precision import check_mixed_precision
 from keras_dist.distribution.placement import PlacesState, state_placement
+from keras_dist.distribution.process_data import process_part
 from keras_dist.distribution.remat import check_remat
+from keras_dist.distribution.sequence import (
+    check_output_layouts,
+    check_sequence_axis,
+    data_axes,
+)
 from keras_dist.keras_compat.data_adapters import (
-    is_tf_dataset,
     keras_builds_data_adapter,
 )
 from keras_dist.keras_compat.distribution import KerasDistribution
@@ -65,6 +70,10 @@ class Distribution(PlacesState, KerasDistribution):
             memory between steps (see `PlacesState`; JAX only).
         optimizer_state_dtype: keyword only. The slots' dtype, e.g.
             `"bfloat16"`, updated in float32 (see `PlacesState`; JAX only).
+        sequence_axis: keyword only. A mesh axis that splits each sequence
+            (context parallelism): the second dimension of every input array
+            is split along it, and attention gathers the keys and values
+            (`distribution.sequence`; JAX only).
     """
 
     #: Capabilities the backend adapters read (they never ask for a type).
@@ -89,6 +98,7 @@ class Distribution(PlacesState, KerasDistribution):
         remat: Any = None,
         offload: Any = None,
         optimizer_state_dtype: Any = None,
+        sequence_axis: Any = None,
     ):
         self._remat = check_remat(remat)
         self._state_placement = state_placement(offload, optimizer_state_dtype)
@@ -102,6 +112,9 @@ class Distribution(PlacesState, KerasDistribution):
                 f"batch_dim_name={batch_dim_name!r}"
             )
         self._batch_dim_name = batch_dim_name
+        self._sequence_axis = check_sequence_axis(
+            sequence_axis, device_mesh, batch_dim_name
+        )
         self.auto_shard_dataset = auto_shard_dataset
         self._num_processes = runtime.num_processes()
         self._process_id = runtime.process_id()
@@ -131,6 +144,11 @@ class Distribution(PlacesState, KerasDistribution):
         self._auto_shard_dataset = value
 
     @property
+    def sequence_axis(self) -> str | None:
+        """The mesh axis that splits each sequence (`sequence_axis=`), or None."""
+        return self._sequence_axis
+
+    @property
     def remat(self) -> Any:
         """The `keras.RematScope` whose mode layers are recomputed with in
         backward, or None (see `remat=`)."""
@@ -149,14 +167,17 @@ class Distribution(PlacesState, KerasDistribution):
         return int(self.device_mesh.shape[axis])
 
     def get_data_layout(self, data_shape: tuple[int, ...]) -> TensorLayout:
-        """Batches are split along `batch_dim_name` and replicated otherwise."""
+        """Batches are split along `batch_dim_name` (and their sequences
+        along `sequence_axis`) and replicated otherwise."""
         data_shape = tuple(data_shape)
         if not data_shape:
             raise ValueError(
                 "Input data must have a batch dimension; a scalar cannot be "
                 f"split. Received: data_shape={data_shape}"
             )
-        axes = [self.batch_dim_name] + [None] * (len(data_shape) - 1)
+        axes = data_axes(
+            data_shape, self.batch_dim_name, self.sequence_axis, self.device_mesh
+        )
         return TensorLayout(axes, self.device_mesh)
 
     def get_variable_layout(self, variable: Any) -> Any:
@@ -211,36 +232,17 @@ class Distribution(PlacesState, KerasDistribution):
             ...  # this process' 64 / num_processes rows of each batch
         ```
         """
-        if (
-            keras_builds_data_adapter()
-            or self._num_processes <= 1
-            or not self.auto_shard_dataset
-        ):
-            return dataset
-        if not is_tf_dataset(dataset):
-            raise ValueError(
-                "In a multi-process job `distribute_dataset` splits only a "
-                "tf.data.Dataset between processes, as Keras does (inside `fit` "
-                "keras_dist splits every input type itself). Pass a tf.data "
-                "dataset, or set `auto_shard_dataset=False` if each process "
-                f"already reads its own part. Received: {type(dataset).__name__}"
-            )
-        from keras_dist.backends.tensorflow import datasets  # noqa: PLC0415
-
-        # As Keras splits it: one shard per model replica, at most one per
-        # process (processes sharing a replica read the same part).
-        replicas, processes = self.num_model_replicas, self._num_processes
-        shard_id = self._process_id
-        if replicas < processes:
-            shard_id = self._process_id // (processes // replicas)
-        return datasets.shard_batches(
-            dataset, num_shards=min(replicas, processes), shard_id=shard_id
-        )
+        return process_part(self, dataset)
 
     def __repr__(self) -> str:
         return (
             f"<{type(self).__name__} device_mesh={self.device_mesh}, "
-            f"batch_dim_name={self.batch_dim_name!r}>"
+            f"batch_dim_name={self.batch_dim_name!r}"
+            + (
+                f", sequence_axis={self.sequence_axis!r}>"
+                if self.sequence_axis
+                else ">"
+            )
         )
 
 
@@ -263,7 +265,8 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
         remat: keyword only; see `Distribution`.
 
     With neither argument, every device of `list_devices()` is used.
-    `offload=` and `optimizer_state_dtype=` (keyword only): see `Distribution`.
+    `offload=`, `optimizer_state_dtype=` and `sequence_axis=` (keyword only):
+    see `Distribution` (with a sequence axis, a `("batch", "seq")` mesh).
 
     Example:
 
@@ -282,6 +285,7 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
         remat: Any = None,
         offload: Any = None,
         optimizer_state_dtype: Any = None,
+        sequence_axis: Any = None,
     ):
         if not isinstance(sync_batch_norm, bool):
             raise TypeError(
@@ -289,29 +293,12 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
                 f"sync_batch_norm={sync_batch_norm!r}"
             )
         self._sync_batch_norm = sync_batch_norm
-        if device_mesh is not None and devices is not None:
-            raise ValueError(
-                "Give DataParallel either `device_mesh` or `devices`, not both. "
-                f"Received: device_mesh={device_mesh}, devices={devices}"
-            )
-        if device_mesh is None:
-            if devices is None:
-                devices = runtime.list_devices()
-            if isinstance(devices, str) or not isinstance(
-                devices, (list, tuple, np.ndarray)
-            ):
-                raise TypeError(
-                    "`devices` must be a list of device names such as "
-                    f"['cpu:0', 'cpu:1']. Received: devices={devices!r}"
-                )
-            devices = list(np.asarray(devices, dtype=object).reshape(-1))
-            if not devices:
-                raise ValueError(
-                    "`devices` must name at least one device. Received: devices=[]"
-                )
-            device_mesh = DeviceMesh((len(devices),), [DEFAULT_BATCH_DIM_NAME], devices)
-        check_mesh(device_mesh)
-        if len(device_mesh.shape) != 1:
+        device_mesh = one_axis_mesh(
+            device_mesh, devices, DEFAULT_BATCH_DIM_NAME, "DataParallel"
+        )
+        if len(device_mesh.shape) != 1 and list(device_mesh.axis_names)[1:] != [
+            sequence_axis
+        ]:
             job.warn_once(
                 f"DataParallel splits the batch along the first mesh axis "
                 f"({device_mesh.axis_names[0]!r}) and replicates along the others; "
@@ -327,6 +314,7 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
             remat=remat,
             offload=offload,
             optimizer_state_dtype=optimizer_state_dtype,
+            sequence_axis=sequence_axis,
         )
 
     @property
@@ -358,7 +346,8 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
             `reduce_dtype`. None (the default): each layer as its own Keras
             dtype policy says.
 
-    `offload=` and `optimizer_state_dtype=` (keyword only): see `Distribution`.
+    `offload=`, `optimizer_state_dtype=` and `sequence_axis=` (keyword only):
+    see `Distribution`.
 
     Example:
 
@@ -381,6 +370,7 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
         mixed_precision: Any = None,
         offload: Any = None,
         optimizer_state_dtype: Any = None,
+        sequence_axis: Any = None,
     ):
         self._mixed_precision = check_mixed_precision(mixed_precision)
         if layout_map is None:
@@ -421,6 +411,7 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
                 ) from None
             layout = layout_map[key]
             validate_axes_in_mesh(layout.axes, device_mesh)
+        check_output_layouts(layout_map, sequence_axis)
         super().__init__(
             device_mesh,
             batch_dim_name,
@@ -428,6 +419,7 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
             remat=remat,
             offload=offload,
             optimizer_state_dtype=optimizer_state_dtype,
+            sequence_axis=sequence_axis,
         )
         self._layout_map = layout_map
         # A LoRA factor's kernel rank, by the kernel's path (`_lora_layout`).
@@ -561,7 +553,10 @@ class FSDP(ModelParallel):
             this distribution gathers the state back first. On JAX the state
             is a sharded array either way; TensorFlow does not split it.
 
-    `offload=` and `optimizer_state_dtype=` (keyword only): see `Distribution`.
+    `offload=`, `optimizer_state_dtype=` (keyword only): see `Distribution`.
+    `sequence_axis=` (keyword only): see `Distribution`; each large variable
+    is split along that axis too, on another of its dimensions, so weights
+    and optimizer state are spread over every device of the mesh.
 
     Example:
 
@@ -586,6 +581,7 @@ class FSDP(ModelParallel):
         mixed_precision: Any = None,
         offload: Any = None,
         optimizer_state_dtype: Any = None,
+        sequence_axis: Any = None,
     ):
         if not isinstance(keep_optimizer_sharded, bool):
             raise TypeError(
@@ -605,19 +601,9 @@ class FSDP(ModelParallel):
             raise ValueError(
                 f"`min_size` must be 0 or more. Received: min_size={min_size}"
             )
-        if device_mesh is not None and devices is not None:
-            raise ValueError(
-                "Give FSDP either `device_mesh` or `devices`, not both. Received: "
-                f"device_mesh={device_mesh}, devices={devices}"
-            )
-        if device_mesh is None and layout_map is not None:
+        if device_mesh is None and devices is None and layout_map is not None:
             device_mesh = layout_map.device_mesh
-        if device_mesh is None:
-            if devices is None:
-                devices = runtime.list_devices()
-            devices = list(np.asarray(devices, dtype=object).reshape(-1))
-            device_mesh = DeviceMesh((len(devices),), [axis], devices)
-        check_mesh(device_mesh)
+        device_mesh = one_axis_mesh(device_mesh, devices, axis, "FSDP")
         if axis not in device_mesh.axis_names:
             raise ValueError(
                 f"`axis` must be an axis of the mesh, one of "
@@ -639,6 +625,7 @@ class FSDP(ModelParallel):
             mixed_precision=mixed_precision,
             offload=offload,
             optimizer_state_dtype=optimizer_state_dtype,
+            sequence_axis=sequence_axis,
         )
 
     @property
@@ -656,16 +643,17 @@ class FSDP(ModelParallel):
         return self._keep_optimizer_sharded
 
     def fsdp_dimension(
-        self, path: str, shape: tuple, dtype: Any, axes: tuple
+        self, path: str, shape: tuple, dtype: Any, axes: tuple, axis: Any = None
     ) -> int | None:
-        """The dimension `axis` splits for a variable with this `path`,
-        `shape`, `dtype` and layout-map `axes`, or None (replicated)."""
-        if self._axis in axes or "float" not in keras.backend.standardize_dtype(dtype):
+        """The dimension `axis` (default: `self.axis`) splits for a variable
+        with this `path`, `shape`, `dtype` and layout-map `axes`, or None."""
+        axis = axis or self._axis
+        if axis in axes or "float" not in keras.backend.standardize_dtype(dtype):
             return None
         if int(np.prod(shape, dtype=np.int64)) < self._min_size:
             return None
         mesh = self.device_mesh
-        parts = int(mesh.shape[list(mesh.axis_names).index(self._axis)])
+        parts = int(mesh.shape[list(mesh.axis_names).index(axis)])
         candidates = [
             dim
             for dim, size in enumerate(shape)
@@ -679,16 +667,19 @@ class FSDP(ModelParallel):
         layout = super().layout_for_variable(variable)
         shape = tuple(int(size) for size in variable.shape)
         axes = tuple(layout.axes)
-        dimension = self.fsdp_dimension(variable.path, shape, variable.dtype, axes)
-        if dimension is None:
-            return layout
-        axes = axes[:dimension] + (self._axis,) + axes[dimension + 1 :]
+        for axis in filter(None, (self._axis, self.sequence_axis)):
+            dimension = self.fsdp_dimension(
+                variable.path, shape, variable.dtype, axes, axis
+            )
+            if dimension is not None:
+                axes = axes[:dimension] + (axis,) + axes[dimension + 1 :]
         return TensorLayout(axes, self.device_mesh)
 
     def __repr__(self) -> str:
         return (
             f"<FSDP device_mesh={self.device_mesh}, axis={self._axis!r}, "
             f"min_size={self._min_size}"
+            + (f", sequence_axis={self.sequence_axis!r}" if self.sequence_axis else "")
             + ("" if self._keep_optimizer_sharded else ", keep_optimizer_sharded=False")
             + (
                 f", mixed_precision={self.mixed_precision}"

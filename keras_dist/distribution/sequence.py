@@ -1,0 +1,231 @@
+"""Context parallelism: one sequence split over a mesh axis (`sequence_axis=`).
+
+With `sequence_axis="seq"` on `DataParallel`, `ModelParallel` or `FSDP`, the
+second dimension of every input and target array (tokens, padding masks,
+labels, sample weights: `[batch, sequence, ...]`) is split along that mesh
+axis as `fit`, `evaluate` and `predict` lay each batch out, beside the batch
+axis on the first dimension. The activations stay split through the model:
+per-token layers (embeddings, projections, norms, MLPs) compute on each
+device's own chunk of tokens. Attention is the one place where tokens meet:
+in each attention layer the query projection stays split and the key and
+value projections are gathered whole along the axis (all-gather context
+parallelism, MaxText's `context_parallel_strategy="all_gather"`), so each
+device computes its own rows of the scores, `[batch, heads, sequence / N,
+sequence]`, and holds the whole sequence only for the keys and values. The
+backward pass reduces the keys' and values' gradients back onto their
+chunks. Training is the same as on one device with the global batch: the
+program is the same, laid out differently (XLA's SPMD partitioner inserts
+the collectives).
+
+Attention layers are found by their projections: a layer with a query, a
+key and a value projection (`_query_dense`/`query_dense`, the same for key
+and value), which Keras' `MultiHeadAttention` and KerasHub's decoders (Gemma,
+Llama, Mistral, Qwen, GPT-2 through `MultiHeadAttention`, ...) have. A model
+with none has nothing to split a sequence for: `ValueError` when the call
+starts.
+
+A causal mask leaves half of the scores masked. Here each device computes
+its rows against every key (XLA's attention, masked), so the work is the
+same on every device whatever its chunk; nothing is skipped, so nothing is
+to balance (ring attention that skips masked blocks would need the
+load-balanced order MaxText and torchtitan use).
+
+Splash (flash) attention on TPU is a Mosaic kernel XLA cannot partition: in
+a call with a sequence axis, Keras' default choice of it (no choice made:
+`keras.config.is_flash_attention_enabled()` is not False) becomes XLA's
+attention for that call (`keras.config.disable_flash_attention()`, undone
+when the call ends). A layer built with `flash_attention=True` is refused.
+
+JAX only: PyTorch and TensorFlow raise `NotImplementedError` at construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+#: An attention layer's projection attributes, by role.
+PROJECTIONS = {
+    "query": ("_query_dense", "query_dense"),
+    "key": ("_key_dense", "key_dense"),
+    "value": ("_value_dense", "value_dense"),
+}
+
+
+def check_sequence_axis(sequence_axis: Any, device_mesh: Any, batch_axis: str) -> Any:
+    """`sequence_axis` if it names an axis of `device_mesh` other than the
+    batch axis (or is None); else `TypeError`/`ValueError`, and
+    `NotImplementedError` on a backend other than JAX."""
+    if sequence_axis is None:
+        return None
+    if not isinstance(sequence_axis, str):
+        raise TypeError(
+            "`sequence_axis` must be the name of a mesh axis, such as 'seq'. "
+            f"Received: sequence_axis={sequence_axis!r}"
+        )
+    names = list(device_mesh.axis_names)
+    if sequence_axis not in names:
+        raise ValueError(
+            f"`sequence_axis` must be an axis of the mesh, one of {names}: build "
+            f"the mesh with one, e.g. kd.DeviceMesh((2, 4), ['batch', "
+            f"{sequence_axis!r}]). Received: sequence_axis={sequence_axis!r}"
+        )
+    if sequence_axis == batch_axis:
+        raise ValueError(
+            "`sequence_axis` must differ from the batch axis: the batch is split "
+            "along one axis and each sequence along another. Received: "
+            f"sequence_axis={sequence_axis!r}, batch axis={batch_axis!r}"
+        )
+    backend = keras.backend.backend()
+    if backend != "jax":
+        raise NotImplementedError(
+            f"`sequence_axis` (context parallelism) runs on the JAX backend; "
+            f"keras_dist does not split a sequence on {backend!r}. "
+            + (
+                "PyTorch's own `context_parallel` "
+                "(torch.distributed.tensor.experimental) replaces the "
+                "scaled-dot-product-attention kernels of CUDA devices, which "
+                "Keras' PyTorch attention layers do not call as it needs. "
+                if backend == "torch"
+                else ""
+            )
+            + "Use KERAS_BACKEND=jax, or drop `sequence_axis`."
+        )
+    return sequence_axis
+
+
+def axis_size(device_mesh: Any, axis: str) -> int:
+    return int(device_mesh.shape[list(device_mesh.axis_names).index(axis)])
+
+
+def data_axes(
+    shape: tuple[int, ...], batch_axis: str, sequence_axis: str | None, device_mesh: Any
+) -> list[Any]:
+    """The layout axes of an input array of `shape`: the batch axis on the
+    first dimension and, with a sequence axis, that axis on the second
+    (arrays of rank 2 or more whose second dimension is longer than 1).
+    `ValueError` when the axis does not divide that dimension."""
+    axes: list[Any] = [batch_axis] + [None] * (len(shape) - 1)
+    if sequence_axis is None or len(shape) < 2 or shape[1] == 1:
+        return axes
+    parts = axis_size(device_mesh, sequence_axis)
+    if shape[1] % parts:
+        raise ValueError(
+            f"The sequence axis {sequence_axis!r} splits each sequence into "
+            f"{parts} equal chunks, but an input array of shape {tuple(shape)} "
+            f"has {shape[1]} positions in its second dimension. Pad the "
+            f"sequences to a multiple of {parts} (with a padding mask, e.g. a "
+            f"KerasHub preprocessor's `sequence_length=`), or use a sequence "
+            "axis that divides them. Every input and target array of rank 2 or "
+            "more is split along its second dimension."
+        )
+    axes[1] = sequence_axis
+    return axes
+
+
+def check_output_layouts(layout_map: Any, sequence_axis: str | None) -> None:
+    """`ValueError` for a layout map key that lays a layer's output out with
+    the sequence dimension split another way than along `sequence_axis`."""
+    if sequence_axis is None or layout_map is None:
+        return
+    for key in layout_map:
+        if not key.endswith("output"):
+            continue
+        axes = tuple(layout_map[key].axes)
+        if sequence_axis in axes[:1] + axes[2:] or (
+            len(axes) > 1 and axes[1] not in (None, sequence_axis)
+        ):
+            raise ValueError(
+                f"LayoutMap key {key!r} lays a layer's output out as {axes}, "
+                f"but with sequence_axis={sequence_axis!r} the second dimension "
+                f"of each activation ([batch, sequence, ...]) is split along "
+                f"{sequence_axis!r} and no other dimension is. Give "
+                f"(batch axis, {sequence_axis!r}, ...) or None there, or drop "
+                "the key."
+            )
+
+
+def _projection(layer: Any, role: str) -> Any:
+    for name in PROJECTIONS[role]:
+        found = getattr(layer, name, None)
+        if isinstance(found, keras.layers.Layer):
+            return found
+    return None
+
+
+def attention_layers(model: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """The attention layers of `model` (those with a query, a key and a
+    value projection), each with its projections by role."""
+    found = []
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        projections = {role: _projection(layer, role) for role in PROJECTIONS}
+        if all(projection is not None for projection in projections.values()):
+            found.append((layer, projections))
+    return found
+
+
+def _wrap_call(layer: Any, constrain: Callable[[Any], Any]) -> Callable[[], None]:
+    """Give `layer` (this object only) a `call` whose outputs pass through
+    `constrain`; return what undoes it."""
+    had_own = "call" in vars(layer)
+    original = layer.call
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return constrain(original(*args, **kwargs))
+
+    object.__setattr__(layer, "call", call)
+
+    def undo() -> None:
+        if had_own:
+            object.__setattr__(layer, "call", original)
+        else:
+            object.__delattr__(layer, "call")
+
+    return undo
+
+
+def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
+    """Lay `model`'s attention out for `distribution.sequence_axis` for the
+    call that starts (see the module); return what undoes it."""
+    from keras_dist.backends.jax import sequence as jax_sequence  # noqa: PLC0415
+
+    axis = distribution.sequence_axis
+    layers = attention_layers(model)
+    if not layers:
+        raise ValueError(
+            f"sequence_axis={axis!r} splits each sequence over devices for a "
+            f"model's attention, but {model.name!r} has no attention layer "
+            "keras_dist knows (a layer with query, key and value projections: "
+            "`_query_dense`/`query_dense`, `_key_dense`/`key_dense`, "
+            "`_value_dense`/`value_dense`, as Keras' MultiHeadAttention and "
+            "KerasHub's decoders have). Drop `sequence_axis` for this model."
+        )
+    for layer, _ in layers:
+        if getattr(layer, "_flash_attention", None) is True:
+            raise ValueError(
+                f"Layer {layer.name!r} was built with flash_attention=True; its "
+                f"kernel cannot be split along sequence_axis={axis!r} (XLA cannot "
+                "partition a Mosaic kernel). Build it with flash_attention=None "
+                "or False: under a sequence axis keras_dist runs XLA's attention."
+            )
+    mesh = distribution.device_mesh.backend_mesh
+    batch = distribution.batch_dim_name
+    undo: list[Callable[[], None]] = []
+
+    def undo_all() -> None:
+        while undo:
+            undo.pop()()
+
+    split = jax_sequence.constraint(mesh, batch, axis)
+    whole = jax_sequence.constraint(mesh, batch, None)
+    for layer, projections in layers:
+        undo.append(_wrap_call(projections["query"], split))
+        undo.append(_wrap_call(projections["key"], whole))
+        undo.append(_wrap_call(projections["value"], whole))
+        undo.append(_wrap_call(layer, split))
+    if keras.config.is_flash_attention_enabled() is not False:
+        keras.config.disable_flash_attention()
+        undo.append(keras.config.enable_flash_attention)
+    return undo_all
