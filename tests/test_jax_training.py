@@ -253,3 +253,51 @@ def test_batch_norm_normalizes_over_the_global_batch_without_padding():
         model, lambda: [kd.DistributeCallback(kd.DataParallel())], epochs=2
     )
     parity.assert_same_training(reference, result, reference_model, model)
+
+
+def _token_model() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    tokens = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Embedding(16, 8)(tokens)
+    model = keras.Model(tokens, keras.layers.Dense(16)(hidden))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def test_a_loss_per_token_on_padded_batches_matches_single_device():
+    """Batches of 20 rows on 8 devices are padded: the padding mask weighs a
+    loss of shape [batch, sequence] (token labels) as it does one per row."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 16, (40, 6)).astype("int32")
+    y = rng.integers(0, 16, (40, 6)).astype("int32")
+    reference = _token_model()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    model = _token_model()
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(kd.DataParallel())],
+    )
+    for name in ("loss", "accuracy"):
+        np.testing.assert_allclose(
+            history.history[name], expected.history[name], rtol=1e-5
+        )
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    evaluated = model.evaluate(
+        x,
+        y,
+        batch_size=BATCH,
+        verbose=0,
+        return_dict=True,
+        callbacks=[kd.DistributeCallback(kd.DataParallel())],
+    )
+    wanted = reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    np.testing.assert_allclose(evaluated["loss"], wanted["loss"], rtol=1e-5)

@@ -712,3 +712,62 @@ def test_gradients_are_counted_and_the_headline_says_by_how_much():
     assert "gradients" in next(p.message for p in short.problems)
     roomy = planned(device.total + 2**20)
     assert roomy.fits is True and str(roomy).startswith("Fits:")
+
+
+def _attention_decoder(length: int = 64, layout_key: bool = False):
+    tokens = keras.Input((length,), dtype="int32", name="tokens")
+    hidden = keras.layers.Embedding(512, 64, name="embed")(tokens)
+    attended = keras.layers.MultiHeadAttention(4, 16, name="attention")(
+        hidden, hidden, use_causal_mask=True
+    )
+    outputs = keras.layers.Dense(512, name="logits")(attended)
+    model = keras.Model(tokens, outputs, name="decoder")
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+@pytest.mark.backend("jax")
+def test_fsdp_with_a_sequence_axis_is_planned_on_both_axes_as_it_lays_out():
+    model = _attention_decoder()
+    mesh = _mesh((2, 4), ["batch", "seq"])
+    distribution = kd.FSDP(mesh, min_size=16, sequence_axis="seq")
+    result = plan(model, distribution, batch_size=8)
+    rows = {row.path: row for row in result.rows}
+    for variable in model.trainable_variables:
+        laid_out = tuple(distribution.layout_for_variable(variable).axes)
+        assert rows[variable.path].axes == laid_out
+    embeddings = rows["embed/embeddings"]
+    assert embeddings.axes == ("batch", "seq")
+    assert embeddings.bytes_per_device == 512 * 64 * 4 // 8
+    # A LayoutMap key with more axes than the variable has dimensions is
+    # planned with FSDP's own splits, both of them.
+    layout_map = kd.LayoutMap(mesh)
+    layout_map["logits/kernel"] = ("batch", None, None)
+    mapped = plan(
+        model,
+        kd.FSDP(mesh, min_size=16, layout_map=layout_map, sequence_axis="seq"),
+        batch_size=8,
+    )
+    logits = next(row for row in mapped.rows if row.path == "logits/kernel")
+    assert "too-many-axes" in _kinds(mapped)
+    assert sorted(filter(None, logits.axes)) == ["batch", "seq"]
+    assert logits.bytes_per_device == 64 * 512 * 4 // 8
+
+
+@pytest.mark.backend("jax")
+def test_activations_with_a_sequence_axis_are_split_along_it():
+    model = _attention_decoder()
+    batch_only = plan(model, kd.DataParallel(_mesh((8,), ["batch"])), batch_size=8)
+    split = plan(
+        model,
+        kd.DataParallel(_mesh((2, 4), ["batch", "seq"]), sequence_axis="seq"),
+        batch_size=8,
+    )
+    # One eighth of the tokens on each device either way.
+    assert split.devices[0].activations == batch_only.devices[0].activations
+    assert split.devices[0].activations > 0
+    assert any("sequence_axis='seq'" in note for note in split.notes)
+    assert not any("sequence_axis=" in note for note in batch_only.notes)

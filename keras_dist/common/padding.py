@@ -71,12 +71,20 @@ def pad_batch(data: Any, multiple: int) -> Any:
     return MaskedBatch(padded, mask)
 
 
-def masked_row_weights(mask: Any, sample_weight: Any) -> Any:
+def masked_row_weights(mask: Any, sample_weight: Any, targets: Any = None) -> Any:
     """Per-row weights: the user's `sample_weight` with padded rows zeroed.
+
+    Without a `sample_weight`, the mask itself; shaped `(rows, 1)` when every
+    array of `targets` has two dimensions or more, so that it broadcasts
+    against a loss computed per position (`[batch, sequence]` token losses)
+    as well as against one per row (Keras drops a trailing 1 there).
 
     Works on backend tensors (inside a traced step too) through `keras.ops`.
     """
     if sample_weight is None:
+        leaves = [leaf for leaf in keras.tree.flatten(targets) if leaf is not None]
+        if leaves and all(len(getattr(leaf, "shape", ())) >= 2 for leaf in leaves):
+            return keras.ops.reshape(mask, (-1, 1))
         return mask
     mask = keras.ops.cast(mask, sample_weight.dtype)
     mask = keras.ops.reshape(mask, (-1,) + (1,) * (len(sample_weight.shape) - 1))

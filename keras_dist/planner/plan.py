@@ -45,6 +45,15 @@ ACTIVATION_NOTE = (
     "trainable variable, in its dtype and layout."
 )
 
+SEQUENCE_NOTE = (
+    " With sequence_axis={axis!r}, inputs and outputs whose second dimension "
+    "is the inputs' sequence length ([batch, sequence, ...]) are split along "
+    "it too; inside each attention layer a "
+    "device holds its rows of the scores ([batch, heads, sequence / N, "
+    "sequence]) and the keys and values of the whole sequence, which this "
+    "estimate leaves out: the compiled plan (topology=) counts them."
+)
+
 
 @dataclass(frozen=True)
 class _Shape:
@@ -316,6 +325,7 @@ class _Planner:
         self.batch_axis = getattr(distribution, "batch_dim_name", None) or next(
             iter(self.mesh)
         )
+        self.sequence_axis = getattr(distribution, "sequence_axis", None)
         # keras_dist's ModelParallel and FSDP say `layout_map`; Keras' own
         # ModelParallel keeps it as `_layout_map` only.
         self.layout_map = getattr(distribution, "layout_map", None)
@@ -460,13 +470,18 @@ class _Planner:
         return self._sized(spec, role, keys[0] if keys else UNMATCHED, axes), map_axes
 
     def _fsdp(self, axes: tuple, spec: _Shape) -> tuple:
+        """`axes` with FSDP's splits added as `FSDP.layout_for_variable`
+        adds them: its axis, then its sequence axis, each on a dimension of
+        its own."""
         fsdp_dimension = getattr(self.distribution, "fsdp_dimension", None)
         if fsdp_dimension is None:
             return axes
-        dimension = fsdp_dimension(spec.path, spec.shape, spec.dtype, axes)
-        if dimension is None:
-            return axes
-        return axes[:dimension] + (self.distribution.axis,) + axes[dimension + 1 :]
+        sequence_axis = getattr(self.distribution, "sequence_axis", None)
+        for axis in filter(None, (self.distribution.axis, sequence_axis)):
+            dimension = fsdp_dimension(spec.path, spec.shape, spec.dtype, axes, axis)
+            if dimension is not None:
+                axes = axes[:dimension] + (axis,) + axes[dimension + 1 :]
+        return axes
 
     def _divisible(self, spec: _Shape, axes: tuple, key: str) -> tuple:
         kept = list(axes)
@@ -578,6 +593,15 @@ class _Planner:
                     f"of shapes {[tuple(t.shape) for t in given]} failed "
                     f"({type(error).__name__}: {error})."
                 )
+        lengths = set()
+        if self.sequence_axis is not None:
+            parts = self.mesh[self.sequence_axis]
+            lengths = {
+                int(t.shape[1])
+                for t in (given or own)
+                if len(t.shape) >= 2 and t.shape[1] and t.shape[1] > 1
+            }
+            lengths = {length for length in lengths if length % parts == 0}
         total = 0
         for tensor in tensors:
             shape = tuple(tensor.shape)[1:]
@@ -589,8 +613,15 @@ class _Planner:
                     "(batch, sequence) inputs)."
                 )
             elements = batch_size * int(np.prod(shape, dtype=np.int64))
-            total += elements * _itemsize_bits(tensor.dtype) // 8
+            size = elements * _itemsize_bits(tensor.dtype) // 8
+            if shape and shape[0] in lengths:
+                # [batch, sequence, ...]: split along the sequence axis too, as
+                # `sequence.data_axes` lays the inputs out and they stay.
+                size = -(-size // self.mesh[self.sequence_axis])
+            total += size
         note = ACTIVATION_NOTE
+        if self.sequence_axis is not None:
+            note += SEQUENCE_NOTE.format(axis=self.sequence_axis)
         if unknown:
             note += f" Layers called more than once are left out: {unknown}."
         return -(-total // self.mesh[self.batch_axis]), note

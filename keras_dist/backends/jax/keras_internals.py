@@ -298,7 +298,7 @@ def _split(batch: MaskedBatch) -> tuple[Any, Any, Any, Any, Any, Any]:
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch.data)
     mask = batch.mask
     real_rows = ops.sum(mask)
-    weights = masked_row_weights(mask, sample_weight)
+    weights = masked_row_weights(mask, sample_weight, y)
     # `sum_over_batch_size` divides by the padded size; rescaling the weights
     # makes the loss (and its gradient) the mean over the real rows.
     loss_weights = weights * ops.cast(mask.shape[0] / real_rows, weights.dtype)
