@@ -757,3 +757,68 @@ def test_a_libtpu_of_another_version_is_named_with_the_pin(monkeypatch):
     assert "keras-dist[tpu]" in problem
     with pytest.raises(RuntimeError, match="libtpu 0.0.1 is installed"):
         kd.plan(mlp(), kd.FSDP, topology="v5e:2x2", batch_size=8)
+
+
+def _attention_decoder(length: int):
+    def build():
+        tokens = keras.Input((length,), dtype="int32")
+        hidden = keras.layers.Embedding(256, 64)(tokens)
+        attended = keras.layers.MultiHeadAttention(4, 16)(
+            hidden, hidden, use_causal_mask=True
+        )
+        hidden = keras.layers.LayerNormalization()(hidden + attended)
+        model = keras.Model(tokens, keras.layers.Dense(256)(hidden), name="decoder")
+        model.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    return build
+
+
+@jax_only
+@needs_libtpu
+def test_tpu_plan_with_a_sequence_axis_holds_less_than_fsdp_on_the_batch():
+    """One sequence of 512 tokens on a v5e-8: split over the 8 chips
+    (`sequence_axis`), each holds its rows of the attention scores; FSDP on
+    the batch alone pads the batch to 8 and one chip holds them all. The
+    keys and values are all-gathered along the sequence axis."""
+    length = 512
+    on_sequence = kd.plan(
+        _attention_decoder(length),
+        lambda mesh: kd.FSDP(mesh, min_size=16, sequence_axis="seq"),
+        mesh={"batch": 1, "seq": 8},
+        topology="v5e-8",
+        batch_size=1,
+        steps=("train",),
+    )
+    on_batch = kd.plan(
+        _attention_decoder(length),
+        lambda mesh: kd.FSDP(mesh, min_size=16),
+        topology="v5e-8",
+        batch_size=1,
+        steps=("train",),
+    )
+    split = on_sequence.compiled.steps["train"]
+    whole = on_batch.compiled.steps["train"]
+    assert split.error is None and whole.error is None
+    assert on_sequence.compiled.devices == 8
+    assert split.peak_bytes < 0.75 * whole.peak_bytes, (
+        split.peak_bytes,
+        whole.peak_bytes,
+    )
+    # Without FSDP's weight gathers, the all-gathers are attention's: the
+    # whole sequence of its keys and values ([1, 512, 4 heads, 16]) on every
+    # chip, or of the hidden state ([1, 512, 64]) XLA projects them from.
+    replicated = kd.plan(
+        _attention_decoder(length),
+        lambda mesh: kd.DataParallel(mesh, sequence_axis="seq"),
+        mesh={"batch": 1, "seq": 8},
+        topology="v5e-8",
+        batch_size=1,
+        steps=("train",),
+    ).compiled.steps["train"]
+    assert replicated.error is None
+    assert replicated.collective_counts["all-gather"] >= 2
+    assert replicated.collective_bytes["all-gather"] >= length * 64 * 4
