@@ -214,6 +214,7 @@ PLAN_FLAGS = {
     "optimizer": "--optimizer",
     "min_size": "--min-size",
     "layout_map": "--layout-map",
+    "sequence_axis": "--sequence-axis",
     "mesh": "--mesh/--axes",
     "topology": "--topology",
     "num_slices": "--num-slices",
@@ -314,26 +315,6 @@ def _plan_mesh(arguments: argparse.Namespace) -> dict[str, int] | None:
     return dict(zip(axes, shape, strict=True))
 
 
-def _plan_distribution(arguments: argparse.Namespace, layout: Any) -> Any:
-    """The function of the mesh that makes the distribution the flags say."""
-    import keras_dist  # noqa: PLC0415  (after argument parsing: imports the backend)
-
-    def make(mesh: Any) -> Any:
-        layout_map = None if layout is None else layout(mesh)
-        if arguments.fsdp:
-            return keras_dist.FSDP(
-                mesh,
-                axis=mesh.axis_names[0],
-                min_size=arguments.min_size,
-                layout_map=layout_map,
-            )
-        if layout_map is not None:
-            return keras_dist.ModelParallel(mesh, layout_map)
-        return keras_dist.DataParallel(mesh)
-
-    return make
-
-
 def _plan(arguments: argparse.Namespace) -> int:
     """`keras-dist plan`: the planner on a model-building function."""
     from keras_dist import cli_plan  # noqa: PLC0415
@@ -364,7 +345,7 @@ def _plan(arguments: argparse.Namespace) -> int:
         layout = None
         if arguments.layout_map:
             layout = _import_function(arguments.layout_map, "--layout-map")
-        distribution = _plan_distribution(arguments, layout)
+        distribution = cli_plan.plan_distribution(arguments, layout)
     except (ImportError, TypeError, ValueError) as error:
         arguments.usage_error(as_flags(str(error), PLAN_FLAGS))  # exits 2
     try:
@@ -527,6 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     planner.add_argument(
         "--min-size", type=int, default=1024, metavar="N", help="FSDP's min_size"
+    )
+    planner.add_argument(
+        "--sequence-axis",
+        metavar="AXIS",
+        help="split each sequence along this mesh axis (context parallelism, "
+        "JAX), e.g. --mesh 1,8 --axes batch,seq --sequence-axis seq",
     )
     planner.add_argument(
         "--layout-map",

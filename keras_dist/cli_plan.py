@@ -99,3 +99,26 @@ def untrainable_words(error: Any, spec: str, search: bool) -> str:
 
 
 __all__ = ["choose_backend", "unbuilt_words", "untrainable_words"]
+
+
+def plan_distribution(arguments: argparse.Namespace, layout: Any) -> Any:
+    """The function of the mesh that makes the distribution the flags say."""
+    import keras_dist  # noqa: PLC0415  (after argument parsing: imports the backend)
+
+    options = {"sequence_axis": arguments.sequence_axis}
+
+    def make(mesh: Any) -> Any:
+        layout_map = None if layout is None else layout(mesh)
+        if arguments.fsdp:
+            return keras_dist.FSDP(
+                mesh,
+                axis=mesh.axis_names[0],
+                min_size=arguments.min_size,
+                layout_map=layout_map,
+                **options,
+            )
+        if layout_map is not None:
+            return keras_dist.ModelParallel(mesh, layout_map, **options)
+        return keras_dist.DataParallel(mesh, **options)
+
+    return make

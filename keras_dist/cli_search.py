@@ -21,6 +21,7 @@ _CHOSEN_BY_THE_SEARCH = {
     "axes": "--axes",
     "fsdp": "--fsdp",
     "layout_map": "--layout-map",
+    "sequence_axis": "--sequence-axis",
     "png": "--png",
 }
 

@@ -20,7 +20,11 @@ import keras_dist as kd
 from keras_dist import cli, cli_search
 from keras_dist.backends import get_adapter
 from keras_dist.planner import Candidate, search_cache
-from keras_dist.planner.candidates import default_candidates, model_axis_sizes
+from keras_dist.planner.candidates import (
+    default_candidates,
+    model_axis_sizes,
+    sequence_axis_sizes,
+)
 from keras_dist.planner.result import CompiledPlan, CompiledStep
 from keras_dist.planner.search_result import (
     SearchResult,
@@ -751,9 +755,9 @@ def command(monkeypatch, capsys):
     """`keras-dist plan ARGS` in this process: (exit status, stdout, stderr)."""
     monkeypatch.chdir(ROOT)  # MODULE:FUNCTION imports from here, as in a shell
 
-    def run(*arguments: str):
+    def run(*arguments: str, model: str = "tests.test_plan_search:tiny"):
         try:
-            status = cli.main(["plan", "tests.test_plan_search:tiny", *arguments])
+            status = cli.main(["plan", model, *arguments])
         except SystemExit as exit_:
             status = exit_.code
         out, err = capsys.readouterr()
@@ -792,6 +796,158 @@ def test_keras_dist_plan_search_errors_say_the_flags(command):
         "--search", "--topology", "cpu:8", "--batch-size", "64", "--mesh", "8"
     )
     assert status == 2 and "leave out --mesh" in err
+
+
+# -- context parallelism (sequence_axis) ----------------------------------------------
+def tiny_decoder(length: int = 64):
+    """A causal attention decoder of `length` tokens (module level: picklable)."""
+    tokens = keras.Input((length,), dtype="int32", name="tokens")
+    hidden = keras.layers.Embedding(64, 32)(tokens)
+    attended = keras.layers.MultiHeadAttention(4, 8, name="attention")(
+        hidden, hidden, use_causal_mask=True
+    )
+    model = keras.Model(tokens, keras.layers.Dense(64)(attended), name="decoder")
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+@jax_only
+def test_sequence_axis_candidates_only_where_the_sequence_is_long_and_split():
+    long_one = tiny_decoder(1024)
+    # One sequence on 8 devices: each split lowers the tokens a device holds.
+    assert sequence_axis_sizes(long_one, 8, batch_size=1, sequence_length=1024) == [
+        2,
+        4,
+        8,
+    ]
+    # Four: beyond 2 a device holds as many tokens, with more all-gathers.
+    assert sequence_axis_sizes(long_one, 8, batch_size=4, sequence_length=1024) == [2]
+    # A whole sequence per device already, or a batch axis the slices need.
+    assert sequence_axis_sizes(long_one, 8, batch_size=8, sequence_length=1024) == []
+    assert (
+        sequence_axis_sizes(
+            long_one, 8, num_slices=8, batch_size=1, sequence_length=1024
+        )
+        == []
+    )
+    # Short sequences: only where the scores take an eighth of the memory.
+    short = tiny_decoder(64)
+    short_sizes = {"batch_size": 1, "sequence_length": 64}
+    assert sequence_axis_sizes(short, 8, **short_sizes) == []
+    assert sequence_axis_sizes(short, 8, **short_sizes, memory=10**9) == []
+    assert sequence_axis_sizes(short, 8, **short_sizes, memory=500_000) == [2, 4, 8]
+    # Sizes divide the sequence; no attention, nothing to split.
+    assert sequence_axis_sizes(
+        tiny_decoder(100), 8, batch_size=1, sequence_length=100, memory=1
+    ) == [2, 4]
+    assert sequence_axis_sizes(tiny(), 8, batch_size=1, sequence_length=2048) == []
+    made = default_candidates(long_one, 8, batch_size=2, sequence_length=1024)
+    assert [(c.label, c.mesh, c.remat) for c in made][-4:] == [
+        ("FSDP x sequence", {"batch": 4, "seq": 2}, None),
+        ("FSDP x sequence", {"batch": 4, "seq": 2}, "full"),
+        ("FSDP x sequence", {"batch": 2, "seq": 4}, None),
+        ("FSDP x sequence", {"batch": 2, "seq": 4}, "full"),
+    ]
+    assert default_candidates(long_one, 8) == default_candidates(tiny_decoder(), 8)
+
+
+@jax_only
+def test_sequence_axis_candidates_are_checked_and_named():
+    candidate = Candidate("fsdp", {"batch": 1, "seq": 8}, remat="full")
+    assert candidate.sequence_axis == "seq"
+    assert candidate.description == "FSDP x sequence, batch=1 seq=8, remat full"
+    assert candidate.to_dict()["sequence_axis"] == "seq"
+    assert "sequence_axis" not in FSDP.to_dict()  # a plain key unchanged
+    assert candidate.twin == Candidate("fsdp", {"batch": 1, "seq": 8})
+    with pytest.raises(ValueError, match="'seq': s"):
+        Candidate("fsdp_tp", {"batch": 1, "seq": 8})
+    with pytest.raises(ValueError, match="'seq': s"):
+        Candidate("fsdp", {"seq": 8, "batch": 1})
+
+
+@jax_only
+def test_a_long_sequence_search_compiles_sequence_axis_candidates(
+    tmp_path, monkeypatch, command
+):
+    # One sequence on 2 devices; its attention scores are an eighth of 500 kB.
+    options = {"topology": "cpu:2", "batch_size": 1, "device_memory": 500_000}
+    results = kd.plan_search(
+        tiny_decoder, candidates=["fsdp"], cache_dir=tmp_path, **options
+    )
+    statuses = {r.description: r.status for r in results}
+    assert statuses["FSDP x sequence, batch=1 seq=2, remat off"] == "compiled"
+    assert statuses["FSDP, batch=2, remat off"] == "compiled"
+    best = results.best
+    assert best.candidate.mesh == {"batch": 1, "seq": 2}
+    assert best.distribution.sequence_axis == "seq"
+    on_batch = next(r for r in results if r.mesh == {"batch": 2} and r.remat is None)
+    assert best.peak_bytes < on_batch.peak_bytes
+    assert "FSDP x sequence  batch=1 seq=2" in str(results)
+    # Each its own cache entry: the second search compiles nothing.
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(type(get_adapter()), "compile_steps", refuse)
+    again = kd.plan_search(
+        tiny_decoder, candidates=["fsdp"], cache_dir=tmp_path, **options
+    )
+    assert {r.status for r in again if r.remat is None} == {"cached"}
+    assert again.best.candidate == best.candidate
+    # keras-dist plan --search: the same candidates, from the cache.
+    status, out, _ = command(
+        "--search",
+        "--topology",
+        "cpu:2",
+        "--batch-size",
+        "1",
+        "--device-memory",
+        "500000",
+        "--cache-dir",
+        str(tmp_path),
+        model="tests.test_plan_search:tiny_decoder",
+    )
+    assert status == 0 and "FSDP x sequence  batch=1 seq=2" in out
+    status, _, err = command(
+        "--search",
+        "--topology",
+        "cpu:2",
+        "--batch-size",
+        "1",
+        "--sequence-axis",
+        "seq",
+    )
+    assert status == 2 and "leave out --sequence-axis" in err
+
+
+@jax_only
+def test_keras_dist_plan_takes_a_sequence_axis(command):
+    status, out, _ = command(
+        "--mesh",
+        "1,8",
+        "--axes",
+        "batch,seq",
+        "--sequence-axis",
+        "seq",
+        "--fsdp",
+        "--min-size",
+        "16",
+        "--batch-size",
+        "1",
+        "--json",
+        model="tests.test_plan_search:tiny_decoder",
+    )
+    assert status == 0
+    planned = json.loads(out)
+    assert "sequence_axis='seq'" in planned["distribution"]
+    rows = {row["path"]: row for row in planned["variables"]}
+    embeddings = rows["embedding/embeddings"]
+    assert "seq" in embeddings["axes"]
+    assert embeddings["bytes_per_device"] * 8 == embeddings["total_bytes"]
 
 
 # -- TPU topologies (libtpu) ---------------------------------------------------------

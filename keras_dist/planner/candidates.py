@@ -14,6 +14,25 @@ model recomputed as one piece; "full" otherwise). `m` runs over the powers
 of two that divide the device count, the model's attention heads and its
 width, smallest first.
 
+Context parallelism (`sequence_candidates`): FSDP with `sequence_axis="seq"`
+on {"batch": N / s, "seq": s}, remat off and on, where all of these hold:
+
+    - the model has attention keras_dist can split along a sequence axis
+      (`distribution.sequence.attention_layers`);
+    - its inputs' sequence length L is known and long: L >= `LONG_SEQUENCE`
+      (1024), or one attention layer's scores for the rows a device holds
+      under the batch axis alone (rows x heads x L x L x 4 bytes) take
+      `SCORES_SHARE` (an eighth) of a device's memory or more;
+    - s is a power of two from 2 that divides the device count and L, and
+      leaves a batch axis the slice count divides;
+    - the split lowers the tokens a device holds: ceil(B / (N / s)) / s rows
+      of L tokens, fewer than under the batch axis alone (ceil(B / N)) and
+      than with every smaller s (a larger s that holds as many only adds
+      all-gathers). With a global batch B of N or more sequences (a
+      multiple of N) every device holds B / N whole sequences either way,
+      and a sequence axis only adds the keys' and values' all-gathers: not
+      tried.
+
 Memory savers (`savers`): where a candidate with nothing recomputed or
 offloaded does not fit, or fits with less than `CLOSE` of the memory to
 spare, the search adds its variants that keep less on the device, those the
@@ -37,8 +56,10 @@ import keras
 import keras_dist.layouts as layouts
 from keras_dist.distribution.policies import FSDP, DataParallel
 from keras_dist.distribution.remat import REMAT_POLICIES, check_remat
+from keras_dist.distribution.sequence import attention_layers
 from keras_dist.distribution.swapped_axes import model_width
 from keras_dist.keras_compat.layers import layers_of
+from keras_dist.planner.model import input_specs
 from keras_dist.planner.paper_mesh import check_mesh
 
 POLICIES = ("data_parallel", "fsdp", "fsdp_tp")
@@ -61,6 +82,13 @@ STATE_DTYPES = (None, "bfloat16")
 CLOSE = 0.05
 BATCH_AXIS = "batch"
 MODEL_AXIS = "model"
+#: The mesh axis of context parallelism (FSDP's `sequence_axis=`).
+SEQUENCE_AXIS = "seq"
+#: Sequences at least this long get sequence-axis candidates.
+LONG_SEQUENCE = 1024
+#: ...as do shorter ones whose attention scores per device take this share
+#: of a device's memory under the batch axis alone.
+SCORES_SHARE = 1 / 8
 _LABELS = {
     "data_parallel": "DataParallel",
     "fsdp": "FSDP",
@@ -75,7 +103,10 @@ class Candidate:
     Attributes:
         policy: `"data_parallel"`, `"fsdp"` or `"fsdp_tp"` (FSDP along
             `"batch"` with a tensor-parallel layout map along `"model"`).
-        mesh: `{"batch": d}` or `{"batch": d, "model": m}`, data axis first.
+        mesh: `{"batch": d}` or `{"batch": d, "model": m}`, data axis first;
+            for data_parallel and fsdp also `{"batch": d, "seq": s}`: each
+            sequence split along `"seq"` (the distribution's
+            `sequence_axis="seq"`, context parallelism).
         remat: None (off), a Keras remat mode (`"full"`, `"activations"`,
             `"larger_than"`), `"blocks"`: each transformer block of a
             KerasHub model (its backbone's `transformer_layers`) recomputed,
@@ -106,13 +137,18 @@ class Candidate:
             )
         check_mesh(self.mesh)
         object.__setattr__(self, "mesh", {str(a): int(s) for a, s in self.mesh.items()})
-        if next(iter(self.mesh)) != BATCH_AXIS or (
-            self.policy == "fsdp_tp" and list(self.mesh) != [BATCH_AXIS, MODEL_AXIS]
-        ):
+        axes = list(self.mesh)
+        allowed = (
+            [[BATCH_AXIS, MODEL_AXIS]]
+            if self.policy == "fsdp_tp"
+            else [[BATCH_AXIS], [BATCH_AXIS, SEQUENCE_AXIS]]
+        )
+        if axes not in allowed:
             raise ValueError(
-                f"A candidate's mesh is {{'{BATCH_AXIS}': d}} or, for fsdp_tp, "
-                f"{{'{BATCH_AXIS}': d, '{MODEL_AXIS}': m}}. Received: "
-                f"policy={self.policy!r}, mesh={self.mesh!r}"
+                f"A candidate's mesh is {{'{BATCH_AXIS}': d}}, "
+                f"{{'{BATCH_AXIS}': d, '{SEQUENCE_AXIS}': s}} (a sequence axis) "
+                f"or, for fsdp_tp, {{'{BATCH_AXIS}': d, '{MODEL_AXIS}': m}}. "
+                f"Received: policy={self.policy!r}, mesh={self.mesh!r}"
             )
         if self.remat not in REMAT:
             raise ValueError(
@@ -130,8 +166,14 @@ class Candidate:
             )
 
     @property
+    def sequence_axis(self) -> str | None:
+        """`"seq"` where the mesh has a sequence axis, else None."""
+        return SEQUENCE_AXIS if SEQUENCE_AXIS in self.mesh else None
+
+    @property
     def label(self) -> str:
-        return _LABELS[self.policy]
+        label = _LABELS[self.policy]
+        return f"{label} x sequence" if self.sequence_axis else label
 
     @property
     def mesh_text(self) -> str:
@@ -163,6 +205,8 @@ class Candidate:
             made["offload"] = self.offload
         if self.optimizer_state_dtype:
             made["optimizer_state_dtype"] = self.optimizer_state_dtype
+        if self.sequence_axis:
+            made["sequence_axis"] = self.sequence_axis
         return made
 
     def savers(self) -> list[Candidate]:
@@ -195,6 +239,8 @@ class Candidate:
             options["offload"] = self.offload
         if self.optimizer_state_dtype:
             options["optimizer_state_dtype"] = self.optimizer_state_dtype
+        if self.sequence_axis:
+            options["sequence_axis"] = self.sequence_axis
 
         def make(mesh: Any) -> Any:
             if policy == "data_parallel":
@@ -308,17 +354,71 @@ def model_axis_sizes(model: Any, devices: int, num_slices: int = 1) -> list[int]
     return sizes
 
 
+def sequence_length_of(
+    model: Any, input_shape: Any = None, sequence_length: int | None = None
+) -> int | None:
+    """The sequence length of `model`'s inputs: the second dimension of its
+    first input of rank 2 or more (with `input_shape` or `sequence_length`
+    as `keras_dist.plan` reads them), or None where unknown or 1."""
+    specs = input_specs(model, input_shape, sequence_length)
+    if specs is None:
+        specs = getattr(model, "inputs", None)
+    for tensor in keras.tree.flatten(specs) if specs is not None else []:
+        shape = tuple(getattr(tensor, "shape", ()))
+        if len(shape) >= 2 and isinstance(shape[1], int) and shape[1] > 1:
+            return shape[1]
+    return None
+
+
+def sequence_axis_sizes(
+    model: Any,
+    devices: int,
+    num_slices: int = 1,
+    *,
+    batch_size: int | None = None,
+    sequence_length: int | None = None,
+    memory: int | None = None,
+) -> list[int]:
+    """The sizes of a sequence axis worth trying (the module's rule), smallest
+    first; [] where the sequence is too short or the model has no attention
+    to split."""
+    length = sequence_length
+    if length is None or batch_size is None or not attention_layers(model):
+        return []
+    rows = -(-batch_size // devices)
+    heads = attention_heads(model) or 1
+    scores = rows * heads * length * length * 4
+    if length < LONG_SEQUENCE and (memory is None or scores < SCORES_SHARE * memory):
+        return []
+    sizes = []
+    size, held = 2, rows  # rows of whole sequences a device holds
+    while size <= devices:
+        batch_axis = devices // size
+        if devices % size == 0 and length % size == 0 and batch_axis % num_slices == 0:
+            split = -(-batch_size // batch_axis) / size
+            if split < held:
+                sizes.append(size)
+                held = split
+        size *= 2
+    return sizes
+
+
 def default_candidates(
-    model: Any, devices: int, num_slices: int = 1
+    model: Any, devices: int, num_slices: int = 1, **sequence: Any
 ) -> list[Candidate]:
     """Every candidate for `model` on `devices` devices, in the order they are
-    tried: data parallel, FSDP, then FSDP x TP by growing model axis; each
-    with remat off, then on."""
+    tried: data parallel, FSDP, FSDP x TP by growing model axis, then FSDP
+    with a sequence axis by growing size (`sequence`: `sequence_axis_sizes`'
+    keyword arguments); each with remat off, then on."""
     remat = "blocks" if transformer_blocks(model) else "full"
     whole = {BATCH_AXIS: devices}
     meshes = [("data_parallel", whole), ("fsdp", whole)] + [
         ("fsdp_tp", {BATCH_AXIS: devices // size, MODEL_AXIS: size})
         for size in model_axis_sizes(model, devices, num_slices)
+    ]
+    meshes += [
+        ("fsdp", {BATCH_AXIS: devices // size, SEQUENCE_AXIS: size})
+        for size in sequence_axis_sizes(model, devices, num_slices, **sequence)
     ]
     return [
         Candidate(policy, mesh, setting)
@@ -328,13 +428,14 @@ def default_candidates(
 
 
 def chosen_candidates(
-    given: Any, model: Any, devices: int, num_slices: int
+    given: Any, model: Any, devices: int, num_slices: int, **sequence: Any
 ) -> list[Candidate]:
     """`plan_search`'s `candidates`: None (every default one), policy names
     (the default ones of those policies) or `Candidate`s, checked against the
-    topology's device count."""
+    topology's device count. `sequence`: `sequence_axis_sizes`' keyword
+    arguments."""
     if given is None:
-        return default_candidates(model, devices, num_slices)
+        return default_candidates(model, devices, num_slices, **sequence)
     if isinstance(given, (str, Candidate)) or not isinstance(given, (list, tuple)):
         raise TypeError(
             "`candidates` must be a list of policy names "
@@ -352,7 +453,7 @@ def chosen_candidates(
             )
         return [
             candidate
-            for candidate in default_candidates(model, devices, num_slices)
+            for candidate in default_candidates(model, devices, num_slices, **sequence)
             if candidate.policy in given
         ]
     if not all(isinstance(item, Candidate) for item in given):
@@ -374,9 +475,12 @@ def chosen_candidates(
 __all__ = [
     "CLOSE",
     "Candidate",
+    "LONG_SEQUENCE",
     "OFFLOAD",
     "POLICIES",
     "REMAT",
+    "SCORES_SHARE",
+    "SEQUENCE_AXIS",
     "STATE_DTYPES",
     "attention_heads",
     "chosen_candidates",
@@ -384,6 +488,8 @@ __all__ = [
     "keras_hub_backbone",
     "model_axis_sizes",
     "remat_scope",
+    "sequence_axis_sizes",
+    "sequence_length_of",
     "tensor_parallel_map",
     "transformer_blocks",
 ]

@@ -2,7 +2,8 @@
 for a topology and rank them.
 
     candidates   (`planner/candidates.py`) data parallel, FSDP, FSDP x tensor
-                 parallel over the model axes the model allows; remat off, on
+                 parallel over the model axes the model allows, FSDP with a
+                 sequence axis for long sequences; remat off, on
     cache        (`planner/search_cache.py`) hits are read first, cost nothing
     screen       a candidate whose variables and optimizer state alone exceed
                  a device's memory (static plan) does not fit: not compiled
@@ -38,7 +39,12 @@ from typing import Any
 
 from keras_dist.backends import get_adapter
 from keras_dist.planner.batch_search import best_largest_batch
-from keras_dist.planner.candidates import CLOSE, Candidate, chosen_candidates
+from keras_dist.planner.candidates import (
+    CLOSE,
+    Candidate,
+    chosen_candidates,
+    sequence_length_of,
+)
 from keras_dist.planner.compiled import (
     STEP_KINDS,
     TopologyMesh,
@@ -459,6 +465,11 @@ def plan_search(
     `keras_dist.layouts.tensor_parallel`), each with remat off and on
     (each transformer block recomputed for KerasHub models, `"full"`
     otherwise). Remat on is compiled only where remat off does not fit.
+    Where the sequence is long (1024 or more, or attention scores a large
+    part of a device's memory), the model has attention keras_dist can
+    split, and the global batch leaves devices without a whole sequence
+    each, also FSDP with a sequence axis (`sequence_axis="seq"`) on meshes
+    `{"batch": d, "seq": s}` (`planner/candidates.py` says the rule).
 
     Args:
         model: a function of no arguments returning a compiled Keras model
@@ -530,8 +541,16 @@ def plan_search(
     check_trainable(made, kinds)
     topology_mesh = TopologyMesh(parsed)
     devices = len(topology_mesh.devices)
-    order = chosen_candidates(candidates, made, devices, parsed.num_slices)
     chip_memory = topology_mesh.memory()
+    order = chosen_candidates(
+        candidates,
+        made,
+        devices,
+        parsed.num_slices,
+        batch_size=batch_size,
+        sequence_length=sequence_length_of(made, input_shape, sequence_length),
+        memory=device_memory or chip_memory,
+    )
     job = Job(
         topology,
         parsed.num_slices,
