@@ -802,7 +802,7 @@ def test_keras_dist_plan_search_errors_say_the_flags(command):
 def tiny_decoder(length: int = 64):
     """A causal attention decoder of `length` tokens (module level: picklable)."""
     tokens = keras.Input((length,), dtype="int32", name="tokens")
-    hidden = keras.layers.Embedding(64, 32)(tokens)
+    hidden = keras.layers.Embedding(64, 32, name="embed")(tokens)
     attended = keras.layers.MultiHeadAttention(4, 8, name="attention")(
         hidden, hidden, use_causal_mask=True
     )
@@ -945,7 +945,7 @@ def test_keras_dist_plan_takes_a_sequence_axis(command):
     planned = json.loads(out)
     assert "sequence_axis='seq'" in planned["distribution"]
     rows = {row["path"]: row for row in planned["variables"]}
-    embeddings = rows["embedding/embeddings"]
+    embeddings = rows["embed/embeddings"]
     assert "seq" in embeddings["axes"]
     assert embeddings["bytes_per_device"] * 8 == embeddings["total_bytes"]
 
