@@ -51,9 +51,10 @@ GEMMA_2B = {
     "head_dim": 256,
 }
 POLICIES = ("fsdp", "fsdp+seq")
+LABELS = {"fsdp": "FSDP", "fsdp+seq": "FSDP + sequence axis"}
 GIB = 2**30
 # XLA's out-of-memory words: "... required for HLO temporaries (28.25G) ...".
-TEMPORARIES = re.compile(r"HLO temporaries \(([0-9.]+)G\)")
+TEMPORARIES = re.compile(r"HLO temporaries \(([0-9.]+)([GT])\)")
 
 
 def gemma_2b():
@@ -140,7 +141,9 @@ def print_table(records: list[dict]) -> None:
         elif record.get("error"):
             needed = TEMPORARIES.search(record["error"])
             peak = "refused" + (
-                f" (temporaries {needed.group(1)} GiB)" if needed else " by XLA"
+                f" (temporaries {needed.group(1)} {needed.group(2)}iB)"
+                if needed
+                else " by XLA"
             )
             fits = "no"
         else:
@@ -148,7 +151,8 @@ def print_table(records: list[dict]) -> None:
         mesh = ", ".join(f"{k}={v}" for k, v in record["mesh"].items())
         print(
             f"| {record['topology']} | {record['sequence_length'] // 1024}k | "
-            f"{record['policy']} | {mesh} | {record['global_batch']} | {peak} | "
+            f"{LABELS.get(record['policy'], record['policy'])} | {mesh} | "
+            f"{record['global_batch']} | {peak} | "
             f"{_gib(record.get('memory_bytes'))} | {fits} |"
         )
 
