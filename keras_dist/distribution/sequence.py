@@ -37,6 +37,9 @@ attention for that call (`keras.config.disable_flash_attention()`, undone
 when the call ends). A layer built with `flash_attention=True` is refused.
 
 JAX only: PyTorch and TensorFlow raise `NotImplementedError` at construction.
+On PyTorch the error says what torch's own `context_parallel` lacks for Keras'
+attention (`backends.torch.sequence`): ring attention only in CUDA's
+scaled-dot-product-attention kernels, none on CPU, and no attention mask.
 """
 
 from __future__ import annotations
@@ -83,17 +86,16 @@ def check_sequence_axis(sequence_axis: Any, device_mesh: Any, batch_axis: str) -
         raise NotImplementedError(
             f"`sequence_axis` (context parallelism) runs on the JAX backend; "
             f"keras_dist does not split a sequence on {backend!r}. "
-            + (
-                "PyTorch's own `context_parallel` "
-                "(torch.distributed.tensor.experimental) replaces the "
-                "scaled-dot-product-attention kernels of CUDA devices, which "
-                "Keras' PyTorch attention layers do not call as it needs. "
-                if backend == "torch"
-                else ""
-            )
+            + (_torch_why_not() if backend == "torch" else "")
             + "Use KERAS_BACKEND=jax, or drop `sequence_axis`."
         )
     return sequence_axis
+
+
+def _torch_why_not() -> str:
+    from keras_dist.backends.torch import sequence as torch_sequence  # noqa: PLC0415
+
+    return torch_sequence.why_not()
 
 
 def axis_size(device_mesh: Any, axis: str) -> int:
