@@ -21,86 +21,18 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+from tests.multiprocess import once_per_run, run_job
+from tests.workers.context_parallel_models import (
+    BATCH,
+    LENGTH,
+    SAMPLES,
+    VOCABULARY,
+    data,
+    decoder,
+    run,
+)
 
 jax_only = pytest.mark.backend("jax")
-
-VOCABULARY, WIDTH, HEADS = 32, 16, 4
-LENGTH = 16  # tokens a sequence: the seq axes used here (2, 4, 8) divide it
-SAMPLES, BATCH = 16, 8  # two steps of 8 sequences
-
-
-def decoder(
-    length: int | None = LENGTH, *, flash_attention: bool | None = None, base=None
-) -> keras.Model:
-    """Tokens and a padding mask in, logits per token out."""
-    keras.utils.set_random_seed(3)
-    tokens = keras.Input((length,), dtype="int32", name="tokens")
-    mask = keras.Input((length,), dtype="bool", name="padding_mask")
-    hidden = keras.layers.Embedding(VOCABULARY, WIDTH, name="embed")(tokens)
-    attended = keras.layers.MultiHeadAttention(
-        HEADS, WIDTH // HEADS, name="attention", flash_attention=flash_attention
-    )(hidden, hidden, value_mask=mask, use_causal_mask=True)
-    hidden = keras.layers.LayerNormalization(name="norm")(hidden + attended)
-    hidden = keras.layers.Dense(2 * WIDTH, activation="gelu", name="up")(hidden)
-    hidden = keras.layers.Dense(WIDTH, name="down")(hidden)
-    logits = keras.layers.Dense(VOCABULARY, name="logits")(hidden)
-    inputs = {"tokens": tokens, "padding_mask": mask}
-    model = (base or keras.Model)(inputs, logits, name="decoder")
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-        weighted_metrics=["sparse_categorical_accuracy"],
-    )
-    return model
-
-
-def data(samples: int = SAMPLES, length: int = LENGTH):
-    """Token ids, a padding mask (each row padded at its end to a length of
-    its own) as the mask input and as the targets' sample weights."""
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(1, VOCABULARY, (samples, length)).astype("int32")
-    lengths = rng.integers(length // 2, length + 1, samples)
-    mask = np.arange(length)[None, :] < lengths[:, None]
-    targets = np.roll(tokens, -1, axis=1) * mask
-    x = {"tokens": tokens * mask, "padding_mask": mask}
-    return x, targets, mask.astype("float32")
-
-
-def run(model: keras.Model, callbacks: list) -> dict:
-    """One epoch of `fit`, then `evaluate` and `predict`, under `callbacks`."""
-    x, y, weights = data()
-    history = model.fit(
-        x,
-        y,
-        sample_weight=weights,
-        batch_size=BATCH,
-        epochs=1,
-        shuffle=False,
-        verbose=0,
-        callbacks=list(callbacks),
-    ).history
-    evaluated = model.evaluate(
-        x,
-        y,
-        sample_weight=weights,
-        batch_size=BATCH,
-        verbose=0,
-        return_dict=True,
-        callbacks=[c for c in callbacks if isinstance(c, kd.DistributeCallback)],
-    )
-    predicted = model.predict(
-        x,
-        batch_size=BATCH,
-        verbose=0,
-        callbacks=[c for c in callbacks if isinstance(c, kd.DistributeCallback)],
-    )
-    return {
-        "weights": [np.asarray(w) for w in model.get_weights()],
-        "history": history,
-        "evaluate": evaluated,
-        "predict": np.asarray(predicted),
-    }
 
 
 class TrainerDecoder(kd.Trainer, keras.Model):
@@ -120,20 +52,25 @@ def _tensor_parallel(model: keras.Model) -> kd.ModelParallel:
 
 
 # Each case: how the distribution is made (from the model, for the layout
-# map), and whether the run goes through `kd.Trainer` instead of a callback.
+# map), whether the run goes through `kd.Trainer` instead of a callback, and
+# whether `evaluate` and `predict` run after `fit` (not in every case: each
+# compiles two more steps, CI's time).
 CASES = {
     "data_parallel_2x4": (
         lambda _: kd.DataParallel(_mesh((2, 4), ["batch", "seq"]), sequence_axis="seq"),
         False,
+        True,
     ),
     "fsdp_2x4": (
         lambda _: kd.FSDP(
             _mesh((2, 4), ["batch", "seq"]), min_size=16, sequence_axis="seq"
         ),
         False,
+        False,
     ),
     "data_parallel_1x8": (
         lambda _: kd.DataParallel(_mesh((1, 8), ["batch", "seq"]), sequence_axis="seq"),
+        False,
         False,
     ),
     "fsdp_1x8_trainer": (
@@ -141,8 +78,9 @@ CASES = {
             _mesh((1, 8), ["batch", "seq"]), min_size=16, sequence_axis="seq"
         ),
         True,
+        True,
     ),
-    "tensor_parallel_2x2x2": (_tensor_parallel, False),
+    "tensor_parallel_2x2x2": (_tensor_parallel, False, True),
 }
 
 
@@ -164,7 +102,7 @@ def distributed(checkpoints):
 
     def get(case: str) -> dict:
         if case not in runs:
-            make, trainer = CASES[case]
+            make, trainer, everything = CASES[case]
             callbacks = []
             if trainer:
                 distribution = make(None)
@@ -177,7 +115,8 @@ def distributed(checkpoints):
                 callbacks.append(kd.DistributeCallback(distribution))
             if case == "fsdp_2x4":
                 callbacks.append(kd.Checkpoint(checkpoints, save_freq="epoch"))
-            runs[case] = dict(run(model, callbacks), distribution=distribution)
+            ran = run(model, callbacks, fit_only=not everything)
+            runs[case] = dict(ran, distribution=distribution)
         return runs[case]
 
     return get
@@ -193,6 +132,8 @@ def test_training_evaluate_and_predict_equal_plain_keras(case, reference, distri
     assert set(ours["history"]) == set(reference["history"])
     for key, values in reference["history"].items():
         np.testing.assert_allclose(ours["history"][key], values, atol=1e-5, rtol=0)
+    if "evaluate" not in ours:
+        return
     assert set(ours["evaluate"]) == set(reference["evaluate"])
     for key, value in reference["evaluate"].items():
         np.testing.assert_allclose(ours["evaluate"][key], value, atol=1e-5, rtol=0)
@@ -412,3 +353,51 @@ def test_other_backends_refuse_a_sequence_axis_at_construction(policy):
     message = str(error.value)
     assert f"does not split a sequence on {backend!r}" in message
     assert "KERAS_BACKEND=jax" in message
+
+
+# -- two processes ----------------------------------------------------------------
+# (2, 4): each process holds one batch row of the mesh, its sequences' four
+# chunks on its own devices. (1, 8): the seq axis spans both processes; each
+# process reads every row whole and JAX keeps the chunks of its own devices
+# (`make_array_from_process_local_data` with the second dimension whole).
+TWO_PROCESS_CASES = {
+    "data_parallel_2x4": "data_parallel_2x4",
+    "fsdp_1x8": "fsdp_1x8_trainer",
+}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """2 processes x 4 CPU devices: each case's results, by process."""
+    return once_per_run(
+        tmp_path_factory,
+        "context_parallel_two_processes",
+        lambda directory: run_job(
+            "context_parallel_worker.py",
+            [",".join(TWO_PROCESS_CASES)],
+            processes=2,
+            env={"KERAS_BACKEND": "jax", "KERAS_DIST_CPU_DEVICES": "4"},
+            output_dir=directory,
+        ),
+    )
+
+
+@jax_only
+@pytest.mark.parametrize("case", list(TWO_PROCESS_CASES))
+def test_two_processes_train_as_one_process_of_eight_devices(
+    case, two_processes, distributed
+):
+    one_process = distributed(TWO_PROCESS_CASES[case])
+    assert [result["processes"] for result in two_processes] == [2, 2]
+    assert [result["devices"] for result in two_processes] == [8, 8]
+    for result in two_processes:
+        ours = result[case]
+        for mine, expected in zip(ours["weights"], one_process["weights"], strict=True):
+            np.testing.assert_allclose(mine, expected, atol=1e-5, rtol=0)
+        for key, values in one_process["history"].items():
+            np.testing.assert_allclose(ours["history"][key], values, atol=1e-5)
+        for key, value in one_process["evaluate"].items():
+            np.testing.assert_allclose(ours["evaluate"][key], value, atol=1e-5)
+        np.testing.assert_allclose(
+            ours["predict"], one_process["predict"], atol=1e-5, rtol=0
+        )

@@ -1,0 +1,52 @@
+"""One process of a multi-process context-parallelism job (2 processes x 4
+CPU devices); `tests/test_context_parallel.py` starts it.
+
+Usage: python context_parallel_worker.py CASE[,CASE...] OUTPUT_JSON
+Each CASE is `<policy>_<batch>x<seq>` (`data_parallel_2x4`, `fsdp_1x8`): the
+decoder of `context_parallel_models` trained, evaluated and predicted under
+that policy with `sequence_axis="seq"` on a `("batch", "seq")` mesh of every
+device of the job (devices in process order: a seq axis of 8 spans both
+processes). Writes what each case gave, by case.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import keras_dist as kd
+
+kd.initialize()
+
+import context_parallel_models as models  # noqa: E402
+
+
+def distribution(case: str) -> kd.Distribution:
+    policy, shape = case.rsplit("_", 1)
+    mesh = kd.DeviceMesh(tuple(int(n) for n in shape.split("x")), ["batch", "seq"])
+    if policy == "data_parallel":
+        return kd.DataParallel(mesh, sequence_axis="seq")
+    if policy == "fsdp":
+        return kd.FSDP(mesh, min_size=16, sequence_axis="seq")
+    raise ValueError(f"Unknown policy {policy!r} in case {case!r}")
+
+
+def main() -> None:
+    cases, output = sys.argv[1].split(","), sys.argv[2]
+    result = {}
+    for case in cases:
+        ran = models.run(models.decoder(), [kd.DistributeCallback(distribution(case))])
+        result[case] = {
+            "weights": [weight.tolist() for weight in ran["weights"]],
+            "history": ran["history"],
+            "evaluate": ran["evaluate"],
+            "predict": ran["predict"].tolist(),
+        }
+    result["processes"] = kd.num_processes()
+    result["devices"] = len(kd.list_devices())
+    with open(output, "w") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main()
