@@ -151,6 +151,21 @@ def test_tensor_parallel_case_splits_heads_on_the_model_axis(distributed):
 
 
 @jax_only
+def test_fsdp_splits_large_variables_along_the_batch_and_the_sequence_axes():
+    model = decoder()
+    distribution = kd.FSDP(
+        _mesh((2, 4), ["batch", "seq"]), min_size=16, sequence_axis="seq"
+    )
+    up = model.get_layer("up")  # kernel (16, 32), bias (32,)
+    assert tuple(distribution.get_variable_layout(up.kernel).axes) == (
+        "seq",
+        "batch",
+    )
+    # One dimension: split along the batch axis, replicated along the other.
+    assert tuple(distribution.get_variable_layout(up.bias).axes) == ("batch",)
+
+
+@jax_only
 def test_checkpoint_saved_with_a_sequence_axis_restores_on_one_device(
     distributed, checkpoints
 ):
@@ -374,7 +389,7 @@ def two_processes(tmp_path_factory):
         "context_parallel_two_processes",
         lambda directory: run_job(
             "context_parallel_worker.py",
-            [",".join(TWO_PROCESS_CASES)],
+            [",".join([*TWO_PROCESS_CASES, "own_data_1x8"])],
             processes=2,
             env={"KERAS_BACKEND": "jax", "KERAS_DIST_CPU_DEVICES": "4"},
             output_dir=directory,
@@ -401,3 +416,15 @@ def test_two_processes_train_as_one_process_of_eight_devices(
         np.testing.assert_allclose(
             ours["predict"], one_process["predict"], atol=1e-5, rtol=0
         )
+
+
+@jax_only
+def test_each_process_reading_its_own_rows_needs_the_sequence_axis_within_it(
+    two_processes,
+):
+    for result in two_processes:
+        message = result["own_data_1x8"]["error"]
+        assert message is not None, "a (1, 8) mesh over 2 processes was not refused"
+        assert "auto_shard_dataset=False" in message
+        assert "sequence_axis='seq': put the sequence axis within a host" in message
+        assert "Received: 1 batch shards for 2 processes" in message

@@ -6,7 +6,9 @@ Each CASE is `<policy>_<batch>x<seq>` (`data_parallel_2x4`, `fsdp_1x8`): the
 decoder of `context_parallel_models` trained, evaluated and predicted under
 that policy with `sequence_axis="seq"` on a `("batch", "seq")` mesh of every
 device of the job (devices in process order: a seq axis of 8 spans both
-processes). Writes what each case gave, by case.
+processes); `own_data_1x8`: a `fit` where each process reads its own rows
+(`auto_shard_dataset=False`) on that mesh, and the error it raises. Writes what
+each case gave, by case.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def distribution(case: str) -> kd.Distribution:
         return kd.DataParallel(mesh, sequence_axis="seq")
     if policy == "fsdp":
         return kd.FSDP(mesh, min_size=16, sequence_axis="seq")
+    if policy == "own_data":
+        return kd.DataParallel(mesh, auto_shard_dataset=False, sequence_axis="seq")
     raise ValueError(f"Unknown policy {policy!r} in case {case!r}")
 
 
@@ -35,6 +39,16 @@ def main() -> None:
     cases, output = sys.argv[1].split(","), sys.argv[2]
     result = {}
     for case in cases:
+        if case.startswith("own_data"):
+            try:
+                models.run(
+                    models.decoder(), [kd.DistributeCallback(distribution(case))]
+                )
+            except ValueError as error:
+                result[case] = {"error": str(error)}
+            else:
+                result[case] = {"error": None}
+            continue
         ran = models.run(models.decoder(), [kd.DistributeCallback(distribution(case))])
         result[case] = {
             "weights": [weight.tolist() for weight in ran["weights"]],
