@@ -309,6 +309,43 @@ def test_a_layer_built_with_flash_attention_is_refused_when_the_call_starts(
     assert _steps(compiled_functions) == []
 
 
+class _FlashSeen(keras.callbacks.Callback):
+    """What the attention layer's flash setting is while the call runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        layer = self.model.get_layer("attention")
+        self.seen.append(
+            (layer._flash_attention, keras.config.is_flash_attention_enabled())
+        )
+
+
+@jax_only
+def test_keras_default_kernel_choice_becomes_xla_attention_for_the_call():
+    """Keras' attention leaves the kernel to the backend at each call (the
+    layer's setting None, its default): under a sequence axis each layer runs
+    XLA's attention, and Keras' default comes back when the call ends."""
+    model = decoder()
+    attention = model.get_layer("attention")
+    assert attention._flash_attention is None
+    assert keras.config.is_flash_attention_enabled() is None
+    seen = _FlashSeen()
+    x, y, _ = data()
+    model.fit(
+        x,
+        y,
+        batch_size=SAMPLES,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(_data_parallel_2x4()), seen],
+    )
+    assert seen.seen == [(False, False)]
+    assert attention._flash_attention is None
+    assert keras.config.is_flash_attention_enabled() is None
+
+
 @jax_only
 def test_an_output_layout_splitting_the_sequence_otherwise_is_refused():
     mesh = _mesh((2, 2, 2), ["batch", "seq", "model"])

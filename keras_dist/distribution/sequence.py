@@ -31,10 +31,15 @@ to balance (ring attention that skips masked blocks would need the
 load-balanced order MaxText and torchtitan use).
 
 Splash (flash) attention on TPU is a Mosaic kernel XLA cannot partition: in
-a call with a sequence axis, Keras' default choice of it (no choice made:
-`keras.config.is_flash_attention_enabled()` is not False) becomes XLA's
-attention for that call (`keras.config.disable_flash_attention()`, undone
-when the call ends). A layer built with `flash_attention=True` is refused.
+a call with a sequence axis, Keras' default choice of it (no choice made)
+becomes XLA's attention for that call. Keras' attention layers read
+`keras.config.is_flash_attention_enabled()` when they are made and leave the
+kernel to the backend at each call while their `_flash_attention` is None
+(Keras' default, also for `flash_attention=False` made under the default
+setting), so each such layer runs with False for the call, and the setting
+is disabled for layers that read it at call time
+(`keras.config.disable_flash_attention()`); both are undone when the call
+ends. A layer built with `flash_attention=True` is refused.
 
 JAX only: PyTorch and TensorFlow raise `NotImplementedError` at construction.
 """
@@ -186,6 +191,17 @@ def _wrap_call(layer: Any, constrain: Callable[[Any], Any]) -> Callable[[], None
     return undo
 
 
+def _xla_attention(layer: Any) -> Callable[[], None]:
+    """Run `layer` with XLA's attention (`_flash_attention` False, from None:
+    the backend's choice); return what undoes it."""
+    object.__setattr__(layer, "_flash_attention", False)
+
+    def undo() -> None:
+        object.__setattr__(layer, "_flash_attention", None)
+
+    return undo
+
+
 def _refuse_flash(layers: Any, axis: str) -> None:
     for layer in layers:
         if getattr(layer, "_flash_attention", None) is True:
@@ -249,6 +265,8 @@ def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
         undo.append(_wrap_call(projections["key"], whole))
         undo.append(_wrap_call(projections["value"], whole))
         undo.append(_wrap_call(layer, split))
+        if hasattr(layer, "_flash_attention") and layer._flash_attention is None:
+            undo.append(_xla_attention(layer))
     if keras.config.is_flash_attention_enabled() is not False:
         keras.config.disable_flash_attention()
         undo.append(keras.config.enable_flash_attention)
