@@ -84,6 +84,20 @@ CASES = {
 }
 
 
+class _FlashSeen(keras.callbacks.Callback):
+    """What the attention layer's flash setting is while the call runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        layer = self.model.get_layer("attention")
+        self.seen.append(
+            (layer._flash_attention, keras.config.is_flash_attention_enabled())
+        )
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict:
     """Plain Keras on one device."""
@@ -115,8 +129,14 @@ def distributed(checkpoints):
                 callbacks.append(kd.DistributeCallback(distribution))
             if case == "fsdp_2x4":
                 callbacks.append(kd.Checkpoint(checkpoints, save_freq="epoch"))
-            ran = run(model, callbacks, fit_only=not everything)
-            runs[case] = dict(ran, distribution=distribution)
+            seen = _FlashSeen()
+            ran = run(model, [*callbacks, seen], fit_only=not everything)
+            runs[case] = dict(
+                ran,
+                distribution=distribution,
+                flash_during=seen.seen,
+                flash_after=model.get_layer("attention")._flash_attention,
+            )
         return runs[case]
 
     return get
@@ -309,40 +329,18 @@ def test_a_layer_built_with_flash_attention_is_refused_when_the_call_starts(
     assert _steps(compiled_functions) == []
 
 
-class _FlashSeen(keras.callbacks.Callback):
-    """What the attention layer's flash setting is while the call runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        layer = self.model.get_layer("attention")
-        self.seen.append(
-            (layer._flash_attention, keras.config.is_flash_attention_enabled())
-        )
-
-
 @jax_only
-def test_keras_default_kernel_choice_becomes_xla_attention_for_the_call():
+@pytest.mark.parametrize("case", ["data_parallel_1x8", "fsdp_1x8_trainer"])
+def test_keras_default_kernel_choice_becomes_xla_attention_for_the_call(
+    case, distributed
+):
     """Keras' attention leaves the kernel to the backend at each call (the
-    layer's setting None, its default): under a sequence axis each layer runs
-    XLA's attention, and Keras' default comes back when the call ends."""
-    model = decoder()
-    attention = model.get_layer("attention")
-    assert attention._flash_attention is None
-    assert keras.config.is_flash_attention_enabled() is None
-    seen = _FlashSeen()
-    x, y, _ = data()
-    model.fit(
-        x,
-        y,
-        batch_size=SAMPLES,
-        verbose=0,
-        callbacks=[kd.DistributeCallback(_data_parallel_2x4()), seen],
-    )
-    assert seen.seen == [(False, False)]
-    assert attention._flash_attention is None
+    layer's setting None, its default: on a TPU, the splash kernel): under a
+    sequence axis each layer runs XLA's attention, and Keras' default comes
+    back when the call ends."""
+    ours = distributed(case)
+    assert ours["flash_during"] == [(False, False)] * (SAMPLES // BATCH)
+    assert ours["flash_after"] is None
     assert keras.config.is_flash_attention_enabled() is None
 
 
