@@ -164,7 +164,7 @@ def test_training_evaluate_and_predict_equal_plain_keras(case, reference, distri
 @jax_only
 def test_tensor_parallel_case_splits_heads_on_the_model_axis(distributed):
     distribution = distributed("tensor_parallel_2x2x2")["distribution"]
-    layout_map = distribution._layout_map
+    layout_map = distribution.layout_map
     split = [key for key in layout_map if "model" in tuple(layout_map[key].axes)]
     assert any("attention" in key and "query" in key for key in split), split
     assert any("up" in key for key in split), split
