@@ -22,7 +22,7 @@ key and a value projection (`_query_dense`/`query_dense`, the same for key
 and value), which Keras' `MultiHeadAttention` and KerasHub's decoders (Gemma,
 Llama, Mistral, Qwen, GPT-2 through `MultiHeadAttention`, ...) have. A model
 with none has nothing to split a sequence for: `ValueError` when the call
-starts.
+starts, before Keras builds or compiles anything (`check_model`).
 
 A causal mask leaves half of the scores masked. Here each device computes
 its rows against every key (XLA's attention, masked), so the work is the
@@ -31,10 +31,15 @@ to balance (ring attention that skips masked blocks would need the
 load-balanced order MaxText and torchtitan use).
 
 Splash (flash) attention on TPU is a Mosaic kernel XLA cannot partition: in
-a call with a sequence axis, Keras' default choice of it (no choice made:
-`keras.config.is_flash_attention_enabled()` is not False) becomes XLA's
-attention for that call (`keras.config.disable_flash_attention()`, undone
-when the call ends). A layer built with `flash_attention=True` is refused.
+a call with a sequence axis, Keras' default choice of it (no choice made)
+becomes XLA's attention for that call. Keras' attention layers read
+`keras.config.is_flash_attention_enabled()` when they are made and leave the
+kernel to the backend at each call while their `_flash_attention` is None
+(Keras' default, also for `flash_attention=False` made under the default
+setting), so each such layer runs with False for the call, and the setting
+is disabled for layers that read it at call time
+(`keras.config.disable_flash_attention()`); both are undone when the call
+ends. A layer built with `flash_attention=True` is refused.
 
 JAX only: PyTorch and TensorFlow raise `NotImplementedError` at construction.
 On PyTorch the error says what torch's own `context_parallel` lacks for Keras'
@@ -188,12 +193,29 @@ def _wrap_call(layer: Any, constrain: Callable[[Any], Any]) -> Callable[[], None
     return undo
 
 
-def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
-    """Lay `model`'s attention out for `distribution.sequence_axis` for the
-    call that starts (see the module); return what undoes it."""
-    from keras_dist.backends.jax import sequence as jax_sequence  # noqa: PLC0415
+def _xla_attention(layer: Any) -> Callable[[], None]:
+    """Run `layer` with XLA's attention (`_flash_attention` False, from None:
+    the backend's choice); return what undoes it."""
+    object.__setattr__(layer, "_flash_attention", False)
 
-    axis = distribution.sequence_axis
+    def undo() -> None:
+        object.__setattr__(layer, "_flash_attention", None)
+
+    return undo
+
+
+def _refuse_flash(layers: Any, axis: str) -> None:
+    for layer in layers:
+        if getattr(layer, "_flash_attention", None) is True:
+            raise ValueError(
+                f"Layer {layer.name!r} was built with flash_attention=True; its "
+                f"kernel cannot be split along sequence_axis={axis!r} (XLA cannot "
+                "partition a Mosaic kernel). Build it with flash_attention=None "
+                "or False: under a sequence axis keras_dist runs XLA's attention."
+            )
+
+
+def _attention_or_raise(model: Any, axis: str) -> list[tuple[Any, dict[str, Any]]]:
     layers = attention_layers(model)
     if not layers:
         raise ValueError(
@@ -204,14 +226,32 @@ def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
             "`_value_dense`/`value_dense`, as Keras' MultiHeadAttention and "
             "KerasHub's decoders have). Drop `sequence_axis` for this model."
         )
-    for layer, _ in layers:
-        if getattr(layer, "_flash_attention", None) is True:
-            raise ValueError(
-                f"Layer {layer.name!r} was built with flash_attention=True; its "
-                f"kernel cannot be split along sequence_axis={axis!r} (XLA cannot "
-                "partition a Mosaic kernel). Build it with flash_attention=None "
-                "or False: under a sequence axis keras_dist runs XLA's attention."
-            )
+    _refuse_flash([layer for layer, _ in layers], axis)
+    return layers
+
+
+def check_model(model: Any, distribution: Any) -> None:
+    """Refuse, as a Keras call with `distribution` starts (before Keras
+    builds or calls anything), a model `split_sequence` would refuse: a
+    layer built with `flash_attention=True`, or a built model with no
+    attention layer (an unbuilt one may make its projections when built:
+    `split_sequence` then checks)."""
+    axis = getattr(distribution, "sequence_axis", None)
+    if axis is None or not isinstance(model, keras.Model):
+        return
+    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    _refuse_flash(layers, axis)
+    if all(layer.built for layer in layers):
+        _attention_or_raise(model, axis)
+
+
+def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
+    """Lay `model`'s attention out for `distribution.sequence_axis` for the
+    call that starts (see the module); return what undoes it."""
+    from keras_dist.backends.jax import sequence as jax_sequence  # noqa: PLC0415
+
+    axis = distribution.sequence_axis
+    layers = _attention_or_raise(model, axis)
     mesh = distribution.device_mesh.backend_mesh
     batch = distribution.batch_dim_name
     undo: list[Callable[[], None]] = []
@@ -227,6 +267,8 @@ def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
         undo.append(_wrap_call(projections["key"], whole))
         undo.append(_wrap_call(projections["value"], whole))
         undo.append(_wrap_call(layer, split))
+        if hasattr(layer, "_flash_attention") and layer._flash_attention is None:
+            undo.append(_xla_attention(layer))
     if keras.config.is_flash_attention_enabled() is not False:
         keras.config.disable_flash_attention()
         undo.append(keras.config.enable_flash_attention)
