@@ -31,10 +31,17 @@ to balance (ring attention that skips masked blocks would need the
 load-balanced order MaxText and torchtitan use).
 
 Splash (flash) attention on TPU is a Mosaic kernel XLA cannot partition: in
-a call with a sequence axis, Keras' default choice of it (no choice made:
-`keras.config.is_flash_attention_enabled()` is not False) becomes XLA's
-attention for that call (`keras.config.disable_flash_attention()`, undone
-when the call ends). A layer built with `flash_attention=True` is refused.
+a call with a sequence axis longer than 1, an attention layer that leaves
+the choice to the backend at each call (Keras' `MultiHeadAttention` made
+without `flash_attention=True` while
+`keras.config.is_flash_attention_enabled()` was None) runs XLA's attention
+for that call (its setting False, and `keras.config.disable_flash_attention()`
+for layers that read the setting as they call; both undone when the call
+ends). Keras' attention layers read `keras.config` when they are made, so
+the global setting alone would leave them as they were. A layer built with
+`flash_attention=True` is refused. On an axis of size 1 nothing is split:
+every layer keeps its kernel (`flash_attention=True` included), and the
+step compiles to the program it has without the sequence axis.
 
 JAX only: PyTorch and TensorFlow raise `NotImplementedError` at construction.
 """
@@ -45,6 +52,8 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+
+from keras_dist.keras_compat.layers import flash_attention_choice, xla_attention
 
 #: An attention layer's projection attributes, by role.
 PROJECTIONS = {
@@ -202,8 +211,9 @@ def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
             "`_value_dense`/`value_dense`, as Keras' MultiHeadAttention and "
             "KerasHub's decoders have). Drop `sequence_axis` for this model."
         )
+    splits = axis_size(distribution.device_mesh, axis) > 1
     for layer, _ in layers:
-        if getattr(layer, "_flash_attention", None) is True:
+        if splits and flash_attention_choice(layer) is True:
             raise ValueError(
                 f"Layer {layer.name!r} was built with flash_attention=True; its "
                 f"kernel cannot be split along sequence_axis={axis!r} (XLA cannot "
@@ -225,6 +235,12 @@ def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
         undo.append(_wrap_call(projections["key"], whole))
         undo.append(_wrap_call(projections["value"], whole))
         undo.append(_wrap_call(layer, split))
+    if not splits:
+        return undo_all
+    for layer, _ in layers:
+        undo_kernel = xla_attention(layer)
+        if undo_kernel is not None:
+            undo.append(undo_kernel)
     if keras.config.is_flash_attention_enabled() is not False:
         keras.config.disable_flash_attention()
         undo.append(keras.config.enable_flash_attention)
