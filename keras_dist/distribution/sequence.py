@@ -31,15 +31,18 @@ to balance (ring attention that skips masked blocks would need the
 load-balanced order MaxText and torchtitan use).
 
 Splash (flash) attention on TPU is a Mosaic kernel XLA cannot partition: in
-a call with a sequence axis, Keras' default choice of it (no choice made)
-becomes XLA's attention for that call. Keras' attention layers read
-`keras.config.is_flash_attention_enabled()` when they are made and leave the
-kernel to the backend at each call while their `_flash_attention` is None
-(Keras' default, also for `flash_attention=False` made under the default
-setting), so each such layer runs with False for the call, and the setting
-is disabled for layers that read it at call time
-(`keras.config.disable_flash_attention()`); both are undone when the call
-ends. A layer built with `flash_attention=True` is refused.
+a call with a sequence axis longer than 1, an attention layer that leaves
+the choice to the backend at each call (Keras' `MultiHeadAttention` made
+without `flash_attention=True` while
+`keras.config.is_flash_attention_enabled()` was None) runs XLA's attention
+for that call (its setting False, `keras_compat.layers.xla_attention`, and
+`keras.config.disable_flash_attention()` for layers that read the setting as
+they call; both undone when the call ends). Keras' attention layers read
+`keras.config` when they are made, so the global setting alone would leave
+them as they were. A layer built with `flash_attention=True` is refused. On
+an axis of size 1 nothing is split: every layer keeps its kernel
+(`flash_attention=True` included), and the step compiles to the program it
+has without the sequence axis.
 
 JAX only: PyTorch and TensorFlow raise `NotImplementedError` at construction.
 On PyTorch the error says what torch's own `context_parallel` lacks for Keras'
@@ -54,12 +57,12 @@ from typing import Any
 
 import keras
 
-#: An attention layer's projection attributes, by role.
-PROJECTIONS = {
-    "query": ("_query_dense", "query_dense"),
-    "key": ("_key_dense", "key_dense"),
-    "value": ("_value_dense", "value_dense"),
-}
+from keras_dist.keras_compat.layers import (
+    attention_projections,
+    flash_attention_choice,
+    layers_of,
+    xla_attention,
+)
 
 
 def check_sequence_axis(sequence_axis: Any, device_mesh: Any, batch_axis: str) -> Any:
@@ -154,21 +157,13 @@ def check_output_layouts(layout_map: Any, sequence_axis: str | None) -> None:
             )
 
 
-def _projection(layer: Any, role: str) -> Any:
-    for name in PROJECTIONS[role]:
-        found = getattr(layer, name, None)
-        if isinstance(found, keras.layers.Layer):
-            return found
-    return None
-
-
 def attention_layers(model: Any) -> list[tuple[Any, dict[str, Any]]]:
     """The attention layers of `model` (those with a query, a key and a
     value projection), each with its projections by role."""
     found = []
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        projections = {role: _projection(layer, role) for role in PROJECTIONS}
-        if all(projection is not None for projection in projections.values()):
+    for layer in layers_of(model):
+        projections = attention_projections(layer)
+        if projections is not None:
             found.append((layer, projections))
     return found
 
@@ -193,20 +188,14 @@ def _wrap_call(layer: Any, constrain: Callable[[Any], Any]) -> Callable[[], None
     return undo
 
 
-def _xla_attention(layer: Any) -> Callable[[], None]:
-    """Run `layer` with XLA's attention (`_flash_attention` False, from None:
-    the backend's choice); return what undoes it."""
-    object.__setattr__(layer, "_flash_attention", False)
-
-    def undo() -> None:
-        object.__setattr__(layer, "_flash_attention", None)
-
-    return undo
-
-
-def _refuse_flash(layers: Any, axis: str) -> None:
+def _refuse_flash(layers: Any, distribution: Any) -> None:
+    """`ValueError` for a layer built with `flash_attention=True` where the
+    sequence axis splits (longer than 1)."""
+    axis = distribution.sequence_axis
+    if axis_size(distribution.device_mesh, axis) == 1:
+        return
     for layer in layers:
-        if getattr(layer, "_flash_attention", None) is True:
+        if flash_attention_choice(layer) is True:
             raise ValueError(
                 f"Layer {layer.name!r} was built with flash_attention=True; its "
                 f"kernel cannot be split along sequence_axis={axis!r} (XLA cannot "
@@ -215,7 +204,10 @@ def _refuse_flash(layers: Any, axis: str) -> None:
             )
 
 
-def _attention_or_raise(model: Any, axis: str) -> list[tuple[Any, dict[str, Any]]]:
+def _attention_or_raise(
+    model: Any, distribution: Any
+) -> list[tuple[Any, dict[str, Any]]]:
+    axis = distribution.sequence_axis
     layers = attention_layers(model)
     if not layers:
         raise ValueError(
@@ -226,7 +218,7 @@ def _attention_or_raise(model: Any, axis: str) -> list[tuple[Any, dict[str, Any]
             "`_value_dense`/`value_dense`, as Keras' MultiHeadAttention and "
             "KerasHub's decoders have). Drop `sequence_axis` for this model."
         )
-    _refuse_flash([layer for layer, _ in layers], axis)
+    _refuse_flash([layer for layer, _ in layers], distribution)
     return layers
 
 
@@ -239,10 +231,10 @@ def check_model(model: Any, distribution: Any) -> None:
     axis = getattr(distribution, "sequence_axis", None)
     if axis is None or not isinstance(model, keras.Model):
         return
-    layers = list(model._flatten_layers(include_self=True, recursive=True))
-    _refuse_flash(layers, axis)
+    layers = layers_of(model)
+    _refuse_flash(layers, distribution)
     if all(layer.built for layer in layers):
-        _attention_or_raise(model, axis)
+        _attention_or_raise(model, distribution)
 
 
 def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
@@ -251,7 +243,7 @@ def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
     from keras_dist.backends.jax import sequence as jax_sequence  # noqa: PLC0415
 
     axis = distribution.sequence_axis
-    layers = _attention_or_raise(model, axis)
+    layers = _attention_or_raise(model, distribution)
     mesh = distribution.device_mesh.backend_mesh
     batch = distribution.batch_dim_name
     undo: list[Callable[[], None]] = []
@@ -267,8 +259,12 @@ def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
         undo.append(_wrap_call(projections["key"], whole))
         undo.append(_wrap_call(projections["value"], whole))
         undo.append(_wrap_call(layer, split))
-        if hasattr(layer, "_flash_attention") and layer._flash_attention is None:
-            undo.append(_xla_attention(layer))
+    if axis_size(distribution.device_mesh, axis) == 1:
+        return undo_all
+    for layer, _ in layers:
+        undo_kernel = xla_attention(layer)
+        if undo_kernel is not None:
+            undo.append(undo_kernel)
     if keras.config.is_flash_attention_enabled() is not False:
         keras.config.disable_flash_attention()
         undo.append(keras.config.enable_flash_attention)
