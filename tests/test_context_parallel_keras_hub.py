@@ -8,11 +8,13 @@ positions): each a tiny `CausalLM` with no preprocessor, fit for 2 steps on
 8 simulated devices with each sequence split along a "seq" mesh axis, on
 padded sequences (padding mask and sample weight 0 at the end). The weights
 and the loss equal those of plain Keras on one device, and `generate()` after
-the fit gives the same tokens. Each attention layer is the one keras_dist
-splits: its projections' outputs pass through the sequence layout during the
-fit's trace, and in the compiled program each device computes its own rows of
-the scores, `[..., sequence / N, sequence]`, and no device the whole
-`[..., sequence, sequence]`.
+the fit gives the same tokens, outside the distribution's scope or under it
+(where the sequence axis divides the prompts' length). One Gemma also runs
+on ("batch", "seq", "model") with KerasHub's layout map. Each attention layer
+is the one keras_dist splits: its projections' outputs pass through the
+sequence layout during the fit's trace, and in the compiled program each
+device computes its own rows of the scores, `[..., sequence / N, sequence]`,
+and nothing larger.
 
 KerasHub 0.32 imports on Keras 3.15 only (not on the 3.16 previews): these
 tests are skipped, saying so, where `keras_hub` does not import.
@@ -20,6 +22,7 @@ tests are skipped, saying so, where `keras_hub` does not import.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -266,27 +269,36 @@ def _assert_scores_split(model: keras.Model, distribution) -> None:
         assert not larger, (path, scores, larger)
 
 
-def _assert_like_reference(model: keras.Model, loss: float, kind: str) -> None:
+def _assert_like_reference(
+    model: keras.Model, loss: float, kind: str, scope=None
+) -> None:
+    """The loss and the weights of `model` are the one-device fit's, and so
+    are the tokens it generates (under `scope` when given: KerasHub lays the
+    prompts out as the distribution lays inputs out, split along the
+    sequence axis, which must divide their length)."""
     reference = _reference(kind)
     np.testing.assert_allclose(loss, reference["loss"], atol=1e-5, rtol=0)
     for variable, expected in zip(model.weights, reference["weights"], strict=True):
         np.testing.assert_allclose(
             np.asarray(variable), expected, atol=1e-5, rtol=0, err_msg=variable.path
         )
-    # Outside the distribution's scope, the weights still laid out on the mesh.
-    assert _generate(model) == reference["generated"]
+    # Outside the scope, the weights are still laid out on the mesh.
+    with contextlib.nullcontext() if scope is None else scope:
+        assert _generate(model) == reference["generated"]
 
 
 @pytest.mark.parametrize(
-    "kind, policy, shape",
+    "kind, policy, shape, generate_in_scope",
     [
-        ("gemma", "DataParallel", (2, 4)),
-        ("llama", "FSDP", (1, 8)),
-        ("mistral", "DataParallel", (1, 8)),
-        ("gpt2", "FSDP", (2, 4)),
+        ("gemma", "DataParallel", (2, 4), True),
+        ("llama", "FSDP", (1, 8), False),  # 8 does not divide 12 tokens
+        ("mistral", "DataParallel", (1, 8), False),
+        ("gpt2", "FSDP", (2, 4), True),
     ],
 )
-def test_decoder_fits_and_generates_like_one_device(kind, policy, shape, constrained):
+def test_decoder_fits_and_generates_like_one_device(
+    kind, policy, shape, generate_in_scope, constrained
+):
     mesh = kd.DeviceMesh(shape, ["batch", "seq"])
     if policy == "FSDP":
         distribution = kd.FSDP(mesh, min_size=256, sequence_axis="seq")
@@ -298,11 +310,12 @@ def test_decoder_fits_and_generates_like_one_device(kind, policy, shape, constra
     if policy == "FSDP":  # variables split along the sequence axis too
         specs = [tuple(v.value.sharding.spec) for v in model.weights]
         assert any("seq" in spec for spec in specs), specs
-    _assert_like_reference(model, loss, kind)
+    scope = distribution.scope() if generate_in_scope else None
+    _assert_like_reference(model, loss, kind, scope)
     _assert_scores_split(model, distribution)
 
 
-def test_gemma_with_keras_hub_layouts_and_a_sequence_axis():
+def test_gemma_with_keras_hub_layouts_and_a_sequence_axis(constrained):
     """("batch", "seq", "model"): KerasHub's layout map splits the heads along
     "model", FSDP the variables along "batch" and "seq", and the sequences
     are split along "seq"."""
@@ -313,7 +326,8 @@ def test_gemma_with_keras_hub_layouts_and_a_sequence_axis():
         layout_map = kd.layouts.for_keras_hub(model.backbone, mesh)
     distribution = kd.FSDP(layout_map=layout_map, min_size=256, sequence_axis="seq")
     loss = _fit(model, distribution)
+    _assert_attention_split(model, "gemma", constrained)
     query = model.backbone.get_layer("decoder_block_0").attention.query_dense.kernel
     assert query.value.sharding.spec[0] == "model"  # the 4 query heads
-    _assert_like_reference(model, loss, "gemma")
+    _assert_like_reference(model, loss, "gemma", distribution.scope())
     _assert_scores_split(model, distribution)
