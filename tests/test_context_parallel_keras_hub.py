@@ -331,3 +331,68 @@ def test_gemma_with_keras_hub_layouts_and_a_sequence_axis(constrained):
     assert query.value.sharding.spec[0] == "model"  # the 4 query heads
     _assert_like_reference(model, loss, "gemma", distribution.scope())
     _assert_scores_split(model, distribution)
+
+
+class _OpsAttention(keras.layers.Layer):
+    """Self-attention that calls `keras.ops.dot_product_attention` itself with
+    no `flash_attention`, as KerasHub's Llama, Mistral and Gemma do."""
+
+    def build(self, input_shape):
+        for name in ("query_dense", "key_dense", "value_dense"):
+            dense = keras.layers.EinsumDense("btd,dnh->btnh", (None, 2, 4))
+            dense.build(input_shape)
+            setattr(self, name, dense)
+
+    def call(self, hidden):
+        attended = keras.ops.dot_product_attention(
+            self.query_dense(hidden),
+            self.key_dense(hidden),
+            self.value_dense(hidden),
+            is_causal=True,
+        )
+        return keras.ops.reshape(attended, keras.ops.shape(hidden))
+
+
+def test_attention_left_to_keras_is_xlas_under_a_sequence_axis(monkeypatch):
+    """Keras' JAX backend picks the kernel of a `dot_product_attention` called
+    with no `flash_attention` at each call (whatever `keras.config`'s flash
+    setting): cuDNN's fused attention where a GPU has it, which refuses a
+    query split along the sequence. Under a sequence axis it is told it has
+    none, and XLA's attention runs; after the call it chooses again. The
+    GPU's answer is simulated; the kernel run is XLA's either way."""
+    import jax  # noqa: PLC0415
+    from keras.src.backend.jax import nn as jax_nn  # noqa: PLC0415
+
+    monkeypatch.setattr(jax_nn, "_can_use_flash_attention", lambda *a, **k: True)
+    asked = []
+    original = jax.nn.dot_product_attention
+
+    def recording(*args, implementation=None, **kwargs):
+        asked.append(implementation)
+        return original(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+    keras.utils.set_random_seed(1)
+    token_ids = keras.Input((8,), dtype="int32")
+    hidden = keras.layers.Embedding(VOCABULARY, 8)(token_ids)
+    hidden = _OpsAttention()(hidden)
+    model = keras.Model(token_ids, keras.layers.Dense(VOCABULARY)(hidden))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    tokens = np.arange(32, dtype="int32").reshape(4, 8)
+    mesh = kd.DeviceMesh((2, 4), ["batch", "seq"])
+    distribution = kd.DataParallel(mesh, sequence_axis="seq")
+    model.fit(
+        tokens,
+        tokens,
+        batch_size=4,
+        verbose=0,
+        # Keras' shape inference before the fit (`_symbolic_build`) is left out.
+        callbacks=[
+            kd.DistributeCallback(distribution),
+            keras.callbacks.LambdaCallback(on_train_begin=lambda _: asked.clear()),
+        ],
+    )
+    assert asked and set(asked) == {"xla"}, asked
+    asked.clear()
+    model.predict(tokens, verbose=0)  # no sequence axis: Keras' own choice
+    assert asked[0] == "cudnn", asked

@@ -39,7 +39,13 @@ for that call (its setting False, `keras_compat.layers.xla_attention`, and
 `keras.config.disable_flash_attention()` for layers that read the setting as
 they call; both undone when the call ends). Keras' attention layers read
 `keras.config` when they are made, so the global setting alone would leave
-them as they were. A layer built with `flash_attention=True` is refused. On
+them as they were. Layers that call `keras.ops.dot_product_attention`
+themselves with no `flash_attention` (KerasHub's Llama, Mistral, Gemma,
+Qwen) leave the choice to Keras' JAX backend at each op, which would take
+cuDNN's fused attention on a GPU that has it (its partitioning refuses a
+query split along the sequence) or Splash on TPU: for the call the backend
+is told it has no such kernel (`keras_internals.xla_attention_only`). A
+layer built with `flash_attention=True` is refused. On
 an axis of size 1 nothing is split: every layer keeps its kernel
 (`flash_attention=True` included), and the step compiles to the program it
 has without the sequence axis.
@@ -268,4 +274,5 @@ def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
     if keras.config.is_flash_attention_enabled() is not False:
         keras.config.disable_flash_attention()
         undo.append(keras.config.enable_flash_attention)
+    undo.append(jax_sequence.xla_attention_only())
     return undo_all
