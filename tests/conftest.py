@@ -47,6 +47,7 @@ RUN_FIRST = (
     "test_checkpoint_jobs.py",
     "test_multiprocess_tf.py",
     "test_multiprocess_jax.py",
+    "test_context_parallel.py",
     "test_tpu_pod.py",
     "test_layouts.py",
     "test_fine_tune_recipe.py",

@@ -22,7 +22,7 @@ key and a value projection (`_query_dense`/`query_dense`, the same for key
 and value), which Keras' `MultiHeadAttention` and KerasHub's decoders (Gemma,
 Llama, Mistral, Qwen, GPT-2 through `MultiHeadAttention`, ...) have. A model
 with none has nothing to split a sequence for: `ValueError` when the call
-starts.
+starts, before Keras builds or compiles anything (`check_model`).
 
 A causal mask leaves half of the scores masked. Here each device computes
 its rows against every key (XLA's attention, masked), so the work is the
@@ -31,12 +31,29 @@ to balance (ring attention that skips masked blocks would need the
 load-balanced order MaxText and torchtitan use).
 
 Splash (flash) attention on TPU is a Mosaic kernel XLA cannot partition: in
-a call with a sequence axis, Keras' default choice of it (no choice made:
-`keras.config.is_flash_attention_enabled()` is not False) becomes XLA's
-attention for that call (`keras.config.disable_flash_attention()`, undone
-when the call ends). A layer built with `flash_attention=True` is refused.
+a call with a sequence axis longer than 1, an attention layer that leaves
+the choice to the backend at each call (Keras' `MultiHeadAttention` made
+without `flash_attention=True` while
+`keras.config.is_flash_attention_enabled()` was None) runs XLA's attention
+for that call (its setting False, `keras_compat.layers.xla_attention`, and
+`keras.config.disable_flash_attention()` for layers that read the setting as
+they call; both undone when the call ends). Keras' attention layers read
+`keras.config` when they are made, so the global setting alone would leave
+them as they were. Layers that call `keras.ops.dot_product_attention`
+themselves with no `flash_attention` (KerasHub's Llama, Mistral, Gemma,
+Qwen) leave the choice to Keras' JAX backend at each op, which would take
+cuDNN's fused attention on a GPU that has it (its partitioning refuses a
+query split along the sequence) or Splash on TPU: for the call the backend
+is told it has no such kernel (`keras_internals.xla_attention_only`). A
+layer built with `flash_attention=True` is refused. On
+an axis of size 1 nothing is split: every layer keeps its kernel
+(`flash_attention=True` included), and the step compiles to the program it
+has without the sequence axis.
 
 JAX only: PyTorch and TensorFlow raise `NotImplementedError` at construction.
+On PyTorch the error says what torch's own `context_parallel` lacks for Keras'
+attention (`backends.torch.sequence`): ring attention only in CUDA's
+scaled-dot-product-attention kernels, none on CPU, and no attention mask.
 """
 
 from __future__ import annotations
@@ -46,12 +63,12 @@ from typing import Any
 
 import keras
 
-#: An attention layer's projection attributes, by role.
-PROJECTIONS = {
-    "query": ("_query_dense", "query_dense"),
-    "key": ("_key_dense", "key_dense"),
-    "value": ("_value_dense", "value_dense"),
-}
+from keras_dist.keras_compat.layers import (
+    attention_projections,
+    flash_attention_choice,
+    layers_of,
+    xla_attention,
+)
 
 
 def check_sequence_axis(sequence_axis: Any, device_mesh: Any, batch_axis: str) -> Any:
@@ -83,17 +100,16 @@ def check_sequence_axis(sequence_axis: Any, device_mesh: Any, batch_axis: str) -
         raise NotImplementedError(
             f"`sequence_axis` (context parallelism) runs on the JAX backend; "
             f"keras_dist does not split a sequence on {backend!r}. "
-            + (
-                "PyTorch's own `context_parallel` "
-                "(torch.distributed.tensor.experimental) replaces the "
-                "scaled-dot-product-attention kernels of CUDA devices, which "
-                "Keras' PyTorch attention layers do not call as it needs. "
-                if backend == "torch"
-                else ""
-            )
+            + (_torch_why_not() if backend == "torch" else "")
             + "Use KERAS_BACKEND=jax, or drop `sequence_axis`."
         )
     return sequence_axis
+
+
+def _torch_why_not() -> str:
+    from keras_dist.backends.torch import sequence as torch_sequence  # noqa: PLC0415
+
+    return torch_sequence.why_not()
 
 
 def axis_size(device_mesh: Any, axis: str) -> int:
@@ -147,21 +163,13 @@ def check_output_layouts(layout_map: Any, sequence_axis: str | None) -> None:
             )
 
 
-def _projection(layer: Any, role: str) -> Any:
-    for name in PROJECTIONS[role]:
-        found = getattr(layer, name, None)
-        if isinstance(found, keras.layers.Layer):
-            return found
-    return None
-
-
 def attention_layers(model: Any) -> list[tuple[Any, dict[str, Any]]]:
     """The attention layers of `model` (those with a query, a key and a
     value projection), each with its projections by role."""
     found = []
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        projections = {role: _projection(layer, role) for role in PROJECTIONS}
-        if all(projection is not None for projection in projections.values()):
+    for layer in layers_of(model):
+        projections = attention_projections(layer)
+        if projections is not None:
             found.append((layer, projections))
     return found
 
@@ -186,11 +194,25 @@ def _wrap_call(layer: Any, constrain: Callable[[Any], Any]) -> Callable[[], None
     return undo
 
 
-def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
-    """Lay `model`'s attention out for `distribution.sequence_axis` for the
-    call that starts (see the module); return what undoes it."""
-    from keras_dist.backends.jax import sequence as jax_sequence  # noqa: PLC0415
+def _refuse_flash(layers: Any, distribution: Any) -> None:
+    """`ValueError` for a layer built with `flash_attention=True` where the
+    sequence axis splits (longer than 1)."""
+    axis = distribution.sequence_axis
+    if axis_size(distribution.device_mesh, axis) == 1:
+        return
+    for layer in layers:
+        if flash_attention_choice(layer) is True:
+            raise ValueError(
+                f"Layer {layer.name!r} was built with flash_attention=True; its "
+                f"kernel cannot be split along sequence_axis={axis!r} (XLA cannot "
+                "partition a Mosaic kernel). Build it with flash_attention=None "
+                "or False: under a sequence axis keras_dist runs XLA's attention."
+            )
 
+
+def _attention_or_raise(
+    model: Any, distribution: Any
+) -> list[tuple[Any, dict[str, Any]]]:
     axis = distribution.sequence_axis
     layers = attention_layers(model)
     if not layers:
@@ -202,14 +224,32 @@ def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
             "`_value_dense`/`value_dense`, as Keras' MultiHeadAttention and "
             "KerasHub's decoders have). Drop `sequence_axis` for this model."
         )
-    for layer, _ in layers:
-        if getattr(layer, "_flash_attention", None) is True:
-            raise ValueError(
-                f"Layer {layer.name!r} was built with flash_attention=True; its "
-                f"kernel cannot be split along sequence_axis={axis!r} (XLA cannot "
-                "partition a Mosaic kernel). Build it with flash_attention=None "
-                "or False: under a sequence axis keras_dist runs XLA's attention."
-            )
+    _refuse_flash([layer for layer, _ in layers], distribution)
+    return layers
+
+
+def check_model(model: Any, distribution: Any) -> None:
+    """Refuse, as a Keras call with `distribution` starts (before Keras
+    builds or calls anything), a model `split_sequence` would refuse: a
+    layer built with `flash_attention=True`, or a built model with no
+    attention layer (an unbuilt one may make its projections when built:
+    `split_sequence` then checks)."""
+    axis = getattr(distribution, "sequence_axis", None)
+    if axis is None or not isinstance(model, keras.Model):
+        return
+    layers = layers_of(model)
+    _refuse_flash(layers, distribution)
+    if all(layer.built for layer in layers):
+        _attention_or_raise(model, distribution)
+
+
+def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
+    """Lay `model`'s attention out for `distribution.sequence_axis` for the
+    call that starts (see the module); return what undoes it."""
+    from keras_dist.backends.jax import sequence as jax_sequence  # noqa: PLC0415
+
+    axis = distribution.sequence_axis
+    layers = _attention_or_raise(model, distribution)
     mesh = distribution.device_mesh.backend_mesh
     batch = distribution.batch_dim_name
     undo: list[Callable[[], None]] = []
@@ -225,7 +265,14 @@ def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
         undo.append(_wrap_call(projections["key"], whole))
         undo.append(_wrap_call(projections["value"], whole))
         undo.append(_wrap_call(layer, split))
+    if axis_size(distribution.device_mesh, axis) == 1:
+        return undo_all
+    for layer, _ in layers:
+        undo_kernel = xla_attention(layer)
+        if undo_kernel is not None:
+            undo.append(undo_kernel)
     if keras.config.is_flash_attention_enabled() is not False:
         keras.config.disable_flash_attention()
         undo.append(keras.config.enable_flash_attention)
+    undo.append(jax_sequence.xla_attention_only())
     return undo_all

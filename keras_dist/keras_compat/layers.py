@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -90,9 +91,62 @@ def grouped_attention_projections(layer: Any) -> dict[str, Any]:
     }
 
 
+#: An attention layer's projection attributes, by role: Keras'
+#: `MultiHeadAttention` and `GroupQueryAttention` (`_query_dense`), KerasHub's
+#: decoders (`_query_dense` or `query_dense`).
+PROJECTIONS = {
+    "query": ("_query_dense", "query_dense"),
+    "key": ("_key_dense", "key_dense"),
+    "value": ("_value_dense", "value_dense"),
+}
+
+
+def attention_projections(layer: Any) -> dict[str, Any] | None:
+    """An attention layer's query, key and value projection layers by role,
+    or None for a layer without all three (`PROJECTIONS`)."""
+    found = {}
+    for role, names in PROJECTIONS.items():
+        found[role] = next(
+            (
+                getattr(layer, name)
+                for name in names
+                if isinstance(getattr(layer, name, None), keras.layers.Layer)
+            ),
+            None,
+        )
+    return found if all(found.values()) else None
+
+
+def flash_attention_choice(layer: Any) -> bool | None:
+    """What a Keras attention layer (`MultiHeadAttention`,
+    `GroupQueryAttention`) keeps of flash attention from when it was made:
+    True (`flash_attention=True`, or the layer's argument left None while
+    `keras.config.is_flash_attention_enabled()` was True), False (that
+    setting was False) or None (no choice: the backend picks a kernel at
+    each call, flash attention where it can). Keras reads `keras.config`
+    then, not at the call. None for a layer without the setting."""
+    return getattr(layer, "_flash_attention", None)
+
+
+def xla_attention(layer: Any) -> Callable[[], None] | None:
+    """Make an attention layer that made no choice of flash attention
+    (`flash_attention_choice` None) run the backend's plain attention until
+    what is returned is called; None (nothing changed) for a layer that
+    made a choice or has no such setting."""
+    if not hasattr(layer, "_flash_attention") or layer._flash_attention is not None:
+        return None
+    layer._flash_attention = False
+
+    def undo() -> None:
+        layer._flash_attention = None
+
+    return undo
+
+
 def check() -> list[str]:
     """What `layers_of`, `own_variables`, `seed_generators`, `sublayers`,
-    `graph_calls` and `grouped_attention_projections` need."""
+    `graph_calls`, `grouped_attention_projections`, `attention_projections`,
+    `flash_attention_choice` and `xla_attention` need."""
     missing = []
     model = keras.Sequential([keras.layers.BatchNormalization()])
     if not hasattr(model, "_flatten_layers"):
@@ -126,4 +180,17 @@ def check() -> list[str]:
         projections = []
     if [type(layer) for layer in projections] != [keras.layers.EinsumDense] * 4:
         missing.append("GroupQueryAttention._query_dense/_key_dense/...")
+    for made in (
+        keras.layers.MultiHeadAttention(2, 2, flash_attention=True),
+        keras.layers.GroupQueryAttention(2, 2, 1, flash_attention=True),
+    ):
+        if getattr(made, "_flash_attention", None) is not True:
+            missing.append(f"{type(made).__name__}._flash_attention")
+    multi_head = keras.layers.MultiHeadAttention(2, 2)
+    multi_head.build((None, 4, 4), (None, 4, 4))
+    for made in (multi_head, attention):
+        if attention_projections(made) is None:
+            missing.append(
+                f"{type(made).__name__}._query_dense/_key_dense/_value_dense"
+            )
     return missing

@@ -14,6 +14,7 @@ from keras_dist import keras_compat
 from keras_dist.backends import get_adapter
 from keras_dist.distribution.layer_settings import apply_layer_settings
 from keras_dist.distribution.policies import Distribution, ModelParallel
+from keras_dist.distribution.sequence import check_model
 from keras_dist.faults import heartbeat
 from keras_dist.keras_compat.callbacks import silence_callbacks
 from keras_dist.keras_compat.distribution import KerasDistribution
@@ -219,6 +220,8 @@ def _runs_end_with_their_call(
     the same handling as an error raised during the call."""
     for stale in [run for run in _active_runs.values() if run.stale]:
         stale.stop()
+    # Before Keras builds the model or compiles a step (`sequence_axis=`).
+    check_model(model, _distribution_in(callbacks))
     starting = (
         get_adapter().call_starting(model, name, _distribution_in(callbacks))
         if id(model) not in _active_runs

@@ -254,11 +254,20 @@ class ProcessLocalBatches:
     def _shards_per_process(self) -> int:
         shards, processes = self._distribution.num_model_replicas, jax.process_count()
         if shards % processes:
+            sequence_axis = getattr(self._distribution, "sequence_axis", None)
             raise ValueError(
                 "With auto_shard_dataset=False every process feeds an equal share "
                 "of each batch, so the batch axis of the mesh must divide into "
-                f"the processes. Received: {shards} batch shards for "
-                f"{processes} processes"
+                "the processes"
+                + (
+                    f" (with sequence_axis={sequence_axis!r}: put the sequence "
+                    "axis within a host, e.g. as the mesh's last axis, no larger "
+                    "than a process' devices; or leave auto_shard_dataset=True, "
+                    "where every process reads whole rows)"
+                    if sequence_axis
+                    else ""
+                )
+                + f". Received: {shards} batch shards for {processes} processes"
             )
         return shards // processes
 

@@ -19,6 +19,7 @@ import numpy as np
 from keras import ops
 from keras.src import backend as keras_backend
 from keras.src.backend.jax import distribution_lib as jax_distribution_lib
+from keras.src.backend.jax import nn as jax_nn
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dist.common.batch_norm import GlobalBatchNorm
@@ -108,6 +109,9 @@ def check() -> list[str]:
         if compiled is None or not hasattr(compiled, name):
             missing.append(f"CompileMetrics.{name}")
     missing += _check_split_at_creation()
+    if not callable(getattr(jax_nn, "_can_use_flash_attention", None)):
+        # `xla_attention_only` answers Keras' choice of attention kernel.
+        missing.append("keras.src.backend.jax.nn._can_use_flash_attention")
     return missing
 
 
@@ -474,6 +478,31 @@ def platform_seen_by_keras(devices: list[Any]) -> Iterator[None]:
         jax.devices, jax.default_backend = original_devices, original_backend
 
 
+def xla_attention_only() -> Callable[[], None]:
+    """Make Keras' JAX `dot_product_attention` choose XLA's attention where
+    its caller leaves the choice to it (`flash_attention=None`, as KerasHub's
+    Llama, Mistral, Gemma and Qwen call it), until what is returned undoes
+    it. Keras otherwise picks cuDNN's fused attention on a GPU that has it,
+    whose partitioning refuses a query split along the sequence, and the
+    Splash kernel on a TPU, which XLA cannot partition; it reads
+    `keras.config.is_flash_attention_enabled()` only where a layer is made,
+    not at the op. An explicit `flash_attention=True` still asks for the
+    kernel."""
+    original = jax_nn._can_use_flash_attention
+
+    def can_use(query: Any, key: Any, value: Any, bias: Any, raise_error=False):
+        if raise_error:
+            return original(query, key, value, bias, raise_error=True)
+        return False
+
+    jax_nn._can_use_flash_attention = can_use
+
+    def undo() -> None:
+        jax_nn._can_use_flash_attention = original
+
+    return undo
+
+
 def keras_step_function(model: Any, kind: str, state_shardings: tuple) -> Any:
     """The jitted step Keras' `make_{kind}_function` builds for `model` (the
     one `fit`, `evaluate` or `predict` runs, with Keras' own donation and
@@ -533,4 +562,5 @@ __all__ = [
     "route_batches",
     "split_variables_at_creation",
     "unroute_batches",
+    "xla_attention_only",
 ]

@@ -13,6 +13,10 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from keras_dist.backends.jax.keras_internals import xla_attention_only
+
+__all__ = ["constraint", "xla_attention_only"]
+
 
 def _size(mesh: Any, axis: str | None) -> int:
     return 1 if axis is None else int(mesh.shape[axis])
