@@ -14,7 +14,7 @@ model recomputed as one piece; "full" otherwise). `m` runs over the powers
 of two that divide the device count, the model's attention heads and its
 width, smallest first.
 
-Context parallelism (`sequence_candidates`): FSDP with `sequence_axis="seq"`
+Context parallelism (`sequence_axis_sizes`): FSDP with `sequence_axis="seq"`
 on {"batch": N / s, "seq": s}, remat off and on, where all of these hold:
 
     - the model has attention keras_dist can split along a sequence axis
