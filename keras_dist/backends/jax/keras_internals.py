@@ -9,6 +9,7 @@ Keras reads it (`platform_seen_by_keras`).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +20,6 @@ import numpy as np
 from keras import ops
 from keras.src import backend as keras_backend
 from keras.src.backend.jax import distribution_lib as jax_distribution_lib
-from keras.src.backend.jax import nn as jax_nn
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dist.common.batch_norm import GlobalBatchNorm
@@ -109,7 +109,7 @@ def check() -> list[str]:
         if compiled is None or not hasattr(compiled, name):
             missing.append(f"CompileMetrics.{name}")
     missing += _check_split_at_creation()
-    if not callable(getattr(jax_nn, "_can_use_flash_attention", None)):
+    if not callable(getattr(_jax_nn(), "_can_use_flash_attention", None)):
         # `xla_attention_only` answers Keras' choice of attention kernel.
         missing.append("keras.src.backend.jax.nn._can_use_flash_attention")
     return missing
@@ -478,6 +478,18 @@ def platform_seen_by_keras(devices: list[Any]) -> Iterator[None]:
         jax.devices, jax.default_backend = original_devices, original_backend
 
 
+def _jax_nn() -> Any:
+    """Keras' JAX `nn` ops module, where the installed Keras has it:
+    `keras.src.backend.jax.ops.nn` (Keras 3.16), `keras.src.backend.jax.nn`
+    (Keras 3.15). Imported when first needed."""
+    for name in ("keras.src.backend.jax.ops.nn", "keras.src.backend.jax.nn"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
 def xla_attention_only() -> Callable[[], None]:
     """Make Keras' JAX `dot_product_attention` choose XLA's attention where
     its caller leaves the choice to it (`flash_attention=None`, as KerasHub's
@@ -488,6 +500,7 @@ def xla_attention_only() -> Callable[[], None]:
     `keras.config.is_flash_attention_enabled()` only where a layer is made,
     not at the op. An explicit `flash_attention=True` still asks for the
     kernel."""
+    jax_nn = _jax_nn()
     original = jax_nn._can_use_flash_attention
 
     def can_use(query: Any, key: Any, value: Any, bias: Any, raise_error=False):
