@@ -822,3 +822,25 @@ def test_tpu_plan_with_a_sequence_axis_holds_less_than_fsdp_on_the_batch():
     assert replicated.error is None
     assert replicated.collective_counts["all-gather"] >= 2
     assert replicated.collective_bytes["all-gather"] >= length * 64 * 4
+
+
+@jax_only
+@needs_libtpu
+def test_multi_slice_plan_warns_when_a_sequence_axis_spans_slices():
+    """A mesh whose batch axis the slices do not divide puts the sequence
+    axis across them: the warning names it and what crosses the network
+    with it (attention's keys and values)."""
+    with pytest.warns(UserWarning, match="mesh axis 'seq' spans them") as caught:
+        result = kd.plan(
+            _attention_decoder(256),
+            lambda mesh: kd.DataParallel(mesh, sequence_axis="seq"),
+            topology="v5e:2x2",
+            num_slices=2,
+            mesh={"batch": 1, "seq": 8},
+            batch_size=1,
+            steps=("train",),
+        )
+    message = str(caught[0].message)
+    assert "'seq': the keys and values of each attention layer" in message
+    assert "data-center network" in message
+    assert result.compiled.slice_axis == "seq"

@@ -341,3 +341,71 @@ def test_user_documents_speak_of_the_product_not_of_its_history():
         "is fine; an upstream reference as owner/repo#N or keras#N is kept): "
         + "; ".join(found)
     )
+
+
+# pymdownx.snippets includes a file where a line reads exactly `--8<-- "path"`,
+# `"path:N"` (from line N) or `"path:name"` (between `--8<-- [start:name]` and
+# `[end:name]`). Anything else near it is shown as text: a formatter that turned
+# `--8<--` into `--8 < --` left a page showing that line instead of its script.
+SNIPPET = re.compile(r'^--8<-- "(?P<path>[^":]+)(?::(?P<part>[^"]+))?"$')
+SNIPPET_LIKE = re.compile(r"^\s*-+\s*8\s*<")
+
+
+def _snippet_problems(path: pathlib.Path) -> list[str]:
+    problems = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not SNIPPET_LIKE.match(line):
+            continue
+        where = f"{path.relative_to(REPO)}:{number}"
+        included = SNIPPET.match(line)
+        if included is None:
+            problems.append(
+                f'{where}: {line!r} is not a snippet line: write --8<-- "path" '
+                '(or "path:N", "path:name")'
+            )
+            continue
+        source = REPO / included["path"]
+        if not source.is_file():
+            problems.append(f"{where}: {included['path']} does not exist")
+            continue
+        part = included["part"]
+        if part is None:
+            continue
+        text = source.read_text()
+        if part.isdigit():
+            if int(part) > len(text.splitlines()):
+                problems.append(f"{where}: {included['path']} has no line {part}")
+        elif f"--8<-- [start:{part}]" not in text or f"--8<-- [end:{part}]" not in text:
+            problems.append(
+                f"{where}: {included['path']} has no section {part!r} "
+                f"(--8<-- [start:{part}] ... --8<-- [end:{part}])"
+            )
+    return problems
+
+
+def test_every_snippet_line_of_the_docs_includes_what_it_names():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    included = [
+        page for page in pages if any(SNIPPET_LIKE.match(line) for line in page.read_text().splitlines())
+    ]
+    assert {page.name for page in included} >= {"tpu-pods.md", "fine-tuning.md"}
+    problems = [problem for page in pages for problem in _snippet_problems(page)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_snippet_check_catches_a_reformatted_line_and_a_missing_section(tmp_path):
+    page = REPO / "docs" / "_snippet_check_probe.md"
+    page.write_text(
+        '--8 < --"examples/tpu_pod.py"\n'
+        '--8<-- "examples/fine_tune_llm.py:no_such_section"\n'
+        '--8<-- "examples/no_such_example.py"\n'
+        '--8<-- "examples/fine_tune_llm.py:model"\n'
+    )
+    try:
+        problems = _snippet_problems(page)
+    finally:
+        page.unlink()
+    assert len(problems) == 3, problems
+    assert "is not a snippet line" in problems[0]
+    assert "no section 'no_such_section'" in problems[1]
+    assert "does not exist" in problems[2]

@@ -106,15 +106,17 @@ def test_fit_raises_the_out_of_memory_error_whatever_verbose(verbose):
 
 
 @pytest.mark.backend("jax")
-def test_evaluate_predict_and_the_trainer_raise_with_verbose_0():
+@pytest.mark.parametrize("verbose", [0, 2])
+def test_evaluate_predict_and_the_trainer_raise_whatever_verbose(verbose):
     model = _model()
     for call, data in ((model.evaluate, (X, Y)), (model.predict, (X,))):
         with pytest.raises(OutOfDeviceMemoryError, match=f"^{call.__name__} ran"):
             callback = kd.DistributeCallback(_two_devices())
-            call(*data, batch_size=8, verbose=0, callbacks=[callback])
+            call(*data, batch_size=8, verbose=verbose, callbacks=[callback])
     trained = _model(Trained, distribution=_two_devices())
     with pytest.raises(OutOfDeviceMemoryError, match="^fit ran"):
-        trained.fit(X, Y, batch_size=8, verbose=0)
+        trained.fit(X, Y, batch_size=8, verbose=verbose)
+    assert keras.distribution.distribution() is None
 
 
 @pytest.mark.backend("jax")
@@ -146,6 +148,17 @@ def test_plain_keras_fit_returns_from_a_failed_step_with_verbose_0():
     model.fit(X, Y, batch_size=8, epochs=2, verbose=0)
     with pytest.raises(Exception, match="Out of memory") as raised:
         np.asarray(model.trainable_variables[0].value)
+    assert type(raised.value).__name__ == "JaxRuntimeError"
+
+
+@pytest.mark.backend("jax")
+def test_plain_keras_evaluate_returns_from_a_failed_step_with_verbose_0():
+    """docs/faults.md says plain Keras' `evaluate` returns too: it hands back
+    the metrics' values without reading them."""
+    model = _model()
+    returned = model.evaluate(X, Y, batch_size=8, verbose=0, return_dict=True)
+    with pytest.raises(Exception, match="Out of memory") as raised:
+        float(returned["loss"])
     assert type(raised.value).__name__ == "JaxRuntimeError"
 
 

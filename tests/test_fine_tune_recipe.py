@@ -146,7 +146,7 @@ def test_torch_lora_fine_tune_trains_only_the_lora_factors(tmp_path_factory):
 
 @pytest.mark.backend("torch")
 def test_without_directory_several_processes_off_one_launcher_are_refused(
-    monkeypatch,
+    monkeypatch, capsys
 ):
     """Under torchrun, SLURM or several hosts no default directory is one
     every process sees: the example stops at once, naming `--directory`."""
@@ -160,8 +160,12 @@ def test_without_directory_several_processes_off_one_launcher_are_refused(
     assert found == os.path.join("/job", "fine_tune_llm_full")
     for variable, value in (("LOCAL_WORLD_SIZE", "1"), ("KERAS_DIST_JOB_DIR", "")):
         monkeypatch.setenv(variable, value)
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as stopped:
             fine_tune_llm.shared_directory(parser, "fine_tune_llm_full")
+        assert stopped.value.code == 2
+        said = capsys.readouterr().err
+        assert "--directory is needed with 2 processes" in said, said
+        assert "Received: no --directory" in said
 
 
 @pytest.mark.backend("jax")

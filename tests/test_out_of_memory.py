@@ -211,3 +211,16 @@ def test_the_static_account_says_how_many_devices_fsdp_would_need():
     said = out_of_memory._more_devices(state=5 * 2**30, memory=2**30)
     assert "it would need at least 8 devices to hold this state" in said
     assert "could not be said" in out_of_memory._more_devices(2**30, None)
+
+
+@pytest.mark.backend_neutral
+def test_a_missing_figure_is_named_not_called_unknown():
+    no_limit = on_devices._fsdp_chips(2**30, None, 2)
+    assert "the devices' memory limit could not be read" in no_limit
+    assert "XLA gave no peak" not in no_limit
+    no_peak = on_devices._fsdp_chips(None, 2**30, 2)
+    assert "XLA gave no peak for the step" in no_peak
+    assert on_devices.gib(None) == "(not in XLA's memory analysis)"
+    for said in (no_limit, no_peak, on_devices.gib(None)):
+        assert "unknown" not in said and "not known" not in said
+    assert "16 devices" in on_devices._fsdp_chips(5 * 2**30, 2**30, 2)

@@ -123,14 +123,28 @@ class TopologyMesh:
                 self.devices, shape, slices, names.index(batch)
             )
             made, _ = distribution_on_mesh(distribution, sizes, devices=array)
-        elif batch in names and batch not in spanning:
+        elif spanning and batch not in spanning:
+            sequence = getattr(made, "sequence_axis", None)
+            kinds = ", ".join(
+                f"{axis!r}: "
+                + (
+                    "the keys and values of each attention layer"
+                    if axis == sequence
+                    else "the activations of each layer"
+                )
+                for axis in spanning
+            )
+            why = (
+                f"the batch axis {batch!r} (size {sizes[batch]}) is not a multiple "
+                f"of {slices}"
+                if batch in names
+                else f"the mesh has no batch axis {batch!r}"
+            )
             warnings.warn(
                 f"With {slices} slices, the mesh axis {', '.join(spanning)!r} "
-                f"spans them: the batch axis {batch!r} (size {sizes[batch]}) is "
-                f"not a multiple of {slices}, so the collectives along "
-                f"{', '.join(spanning)!r} (a model axis' activations, each "
-                "layer) cross the data-center network. Give the batch axis a "
-                f"size that {slices} divides. Received: mesh={sizes}, "
+                f"spans them: {why}, so the collectives along it ({kinds}) cross "
+                "the data-center network every step. Give the batch axis a size "
+                f"that {slices} divides. Received: mesh={sizes}, "
                 f"num_slices={slices}",
                 UserWarning,
                 stacklevel=4,

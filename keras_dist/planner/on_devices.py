@@ -58,9 +58,10 @@ def _size(number: str, unit: str) -> int:
 
 
 def gib(count: int | None) -> str:
-    """`count` bytes in GiB, MiB or KiB, whichever reads best."""
+    """`count` bytes in GiB, MiB or KiB, whichever reads best (None: a figure
+    XLA's memory analysis did not give)."""
     if count is None:
-        return "not known"
+        return "(not in XLA's memory analysis)"
     for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
         if abs(count) >= size:
             return f"{count / size:.2f} {unit}"
@@ -366,10 +367,15 @@ def _fsdp_chips(needed: int | None, limit: int | None, devices: int) -> str:
     """How many devices FSDP would need, the peak split evenly (a lower
     estimate: gathered layers and replicated parts are not split)."""
     if needed is None or limit is None:
-        return (
-            "FSDP on more devices: how many could not be said (the peak or the "
-            "limit is not known)"
+        missing = " and ".join(
+            what
+            for what, figure in (
+                ("XLA gave no peak for the step", needed),
+                ("the devices' memory limit could not be read", limit),
+            )
+            if figure is None
         )
+        return f"FSDP on more devices: how many could not be said ({missing})"
     chips = 2 ** math.ceil(math.log2(max(1.0, needed * devices / limit)))
     if chips <= devices:
         chips = devices * 2
