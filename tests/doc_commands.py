@@ -1,4 +1,5 @@
-"""The shell commands of README.md and docs/, run by the tests as written.
+"""The shell commands of README.md and docs/ (with the Markdown files its pages
+include, such as benchmarks/README.md), run by the tests as written.
 
 A test that runs a command a ```bash block shows writes it word for word:
 `run_documented("keras-dist launch --nproc-per-node 2 examples/x.py")` runs

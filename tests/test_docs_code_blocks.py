@@ -1,6 +1,8 @@
 """Every Python code block of the docs runs, or says why it cannot.
 
-Each ```python block of `docs/**/*.md` and `README.md` runs as a standalone
+The docs are `README.md`, `docs/**/*.md` and the Markdown files a page
+includes with a snippet line (`--8<-- "benchmarks/README.md:2"`: the site
+shows them). Each ```python block of the docs runs as a standalone
 script in a process of its own, in this suite's environment (the run's
 `KERAS_BACKEND` and `KERAS_DIST_CPU_DEVICES`: 8 simulated devices on JAX and
 TensorFlow, one process and one device on PyTorch), from an empty temporary
@@ -92,8 +94,35 @@ class Block:
         return f"{self.path.relative_to(REPO)}:{self.line}"
 
 
+# A page's pymdownx snippet line, `--8<-- "path"` (`path:START`, `path:START:END`
+# or `path:SECTION` for a part of it; a leading `;` escapes the line): that file
+# is part of the page. mkdocs.yml's `base_path: ["."]` resolves the path from the
+# repository's root.
+SNIPPET = re.compile(r'^[ \t]*--8<--[ \t]+"(?P<path>[^":]+)(?::[^"]*)?"[ \t]*$')
+
+
+def _included(page: pathlib.Path) -> list[pathlib.Path]:
+    """The Markdown files `page` includes with a snippet line, whole or some of
+    their lines. A file included as a code snippet (`examples/*.py`) is the
+    example's code, not a page. A missing file fails `mkdocs build --strict`
+    (`check_paths`)."""
+    included = []
+    for line in page.read_text().splitlines():
+        match = SNIPPET.match(line)
+        if match and match["path"].endswith(".md"):
+            path = (REPO / match["path"]).resolve()
+            if path.is_file() and path not in included:
+                included.append(path)
+    return included
+
+
 def _documents() -> list[pathlib.Path]:
-    return [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
+    """README.md, docs/**/*.md and what their pages include: what the site
+    shows (benchmarks.md is benchmarks/README.md)."""
+    documents = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
+    for page in documents:  # grows: an included file may include another
+        documents.extend(path for path in _included(page) if path not in documents)
+    return documents
 
 
 def _blocks(path: pathlib.Path) -> list[Block]:
@@ -307,6 +336,25 @@ def test_a_new_shell_block_without_a_test_or_marker_fails_naming_the_fix(tmp_pat
     ]
 
 
+@pytest.mark.backend_neutral
+def test_shell_and_inline_checks_read_the_markdown_a_page_includes(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        '--8<-- "benchmarks/README.md:2"\n'
+        '--8<-- "examples/fine_tune_llm.py"\n'
+        ';--8<-- "README.md"\n'
+        '```python\n--8<-- "benchmarks/README.md:1:3"\n```\n'
+    )
+    benchmarks = REPO / "benchmarks" / "README.md"
+    assert _included(page) == [benchmarks]
+    assert benchmarks in _documents()
+    assert any(block.path == benchmarks for block in SHELL_BLOCKS)
+    assert any(
+        command.startswith("python benchmarks/run.py")
+        for command in _inline_commands(benchmarks)
+    )
+
+
 # An inline command that runs a script (`python examples/x.py`,
 # `keras-dist launch ... script.py`, `tests/run_suite.sh`): run by a test as
 # written, or named here with why it is not.
@@ -329,8 +377,8 @@ INLINE_NOT_RUN = {
     "slow for CI: tests/integrations/test_ray.py runs what it uses",
     "KERAS_BACKEND=jax python examples/fine_tune_llm.py": "the record of a run on "
     "a TPU chip; the page's CPU commands run in tests/test_fine_tune_recipe.py",
-    "KERAS_BACKEND=jax python benchmarks/compiled_plan_check.py": "a benchmark: "
-    "its figures and command are in benchmarks/README.md",
+    "KERAS_BACKEND=jax python benchmarks/compiled_plan_check.py": "needs a TPU "
+    "chip: it trains on the chip it plans for",
     "TPU_SKIP_MDS_QUERY=1 KERAS_BACKEND=jax python plan_slice.py": "a block that "
     "needs libtpu, saved as a file: how the output shown was made",
     "KERAS_BACKEND=jax python benchmarks/host_transfer_check.py": "needs a TPU "
@@ -339,6 +387,55 @@ INLINE_NOT_RUN = {
     "--accumulation 4": "a benchmark that compiles for a TPU chip (libtpu, minutes "
     "of CPU): its figures are on the page",
 }
+# The commands of benchmarks/README.md's prose and table (the benchmarks page
+# shows it): benchmarks of minutes, or for a TPU chip.
+_RUN_ENTRY = "a benchmark: minutes of timed fits (run.py allows an entry 5 to 10 min)"
+INLINE_NOT_RUN.update(
+    {
+        "python benchmarks/run.py --entries jax_data_parallel": _RUN_ENTRY,
+        "python benchmarks/run.py --entries tf_mirrored --repeats 9 --steps 40": (
+            _RUN_ENTRY
+        ),
+        "python benchmarks/run.py --entries torch_ddp": _RUN_ENTRY,
+        "python benchmarks/run.py --entries torch_ddp_mlp_1": _RUN_ENTRY,
+        "python benchmarks/run.py --entries jax_fsdp jax_fsdp_4 jax_fsdp_2": (
+            _RUN_ENTRY
+        ),
+        "python benchmarks/run.py --entries torch_fsdp": _RUN_ENTRY,
+        "python benchmarks/run.py --entries throughput_overhead": _RUN_ENTRY,
+        "KERAS_DIST_BENCH_JIT=1 KERAS_DIST_BENCH_BREAKDOWN=1 KERAS_BACKEND=torch "
+        "PYTHONPATH=. python -m keras_dist launch --nproc-per-node 2 "
+        "benchmarks/entries/torch_ddp_mlp.py --repeats 15 --steps 40": "a "
+        "benchmark: minutes of timed fits in 2 processes, torch.compile warm-ups "
+        "included",
+        "PYTHONPATH=. python benchmarks/scaling.py --rounds 2 --repeats 5 "
+        "--steps 30": "a benchmark: 2 rounds of 9 run.py entries, minutes each",
+        "KERAS_BACKEND=torch PYTHONPATH=. python benchmarks/fsdp_memory.py "
+        "--compare --repeats 2": "a memory benchmark: sixteen 2-process jobs "
+        "training a 25.2 M-parameter MLP",
+        "KERAS_BACKEND=torch PYTHONPATH=. python -m keras_dist launch "
+        "--nproc-per-node 2 benchmarks/fsdp_memory.py --policy fsdp_keep": "a "
+        "memory benchmark: 2 processes train a 25.2 M-parameter MLP, a thread "
+        "sampling malloc every 0.2 ms",
+        "PYTHONPATH=. python benchmarks/context_parallel.py": "a benchmark: 20 to "
+        "30 minutes on a 2-core host",
+        "KERAS_BACKEND=jax python benchmarks/accelerator.py --interleave 2 "
+        "--interleaved-only": "needs a TPU chip: its figures are the chip's",
+        "KERAS_BACKEND=jax python benchmarks/accelerator_features.py": "needs a TPU "
+        "chip: on CPU it skips the MFU and device-memory checks",
+        "KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 python "
+        "benchmarks/wait_for_steps.py": "a benchmark: 7 pairs of timed 20-epoch "
+        "fits on 8 simulated devices",
+        "KERAS_BACKEND=jax python benchmarks/context_parallel_plan.py": "needs "
+        "libtpu: compiles a Gemma-2B-shaped step for TPU slices, 2 to 25 minutes "
+        "a case on a 2-core host",
+        "PYTHONPATH=. python benchmarks/torch_batch_norm.py --repeats 200": "a "
+        "benchmark: 200 interleaved timings of each way's BatchNormalization step",
+        "KERAS_BACKEND=jax PYTHONPATH=. python benchmarks/mixed_precision.py "
+        "--compare --repeats 2": "needs a TPU chip: the chip's peak memory of a "
+        "117.6 M-parameter decoder",
+    }
+)
 
 
 def _inline_commands(path: pathlib.Path) -> list[str]:
