@@ -320,8 +320,8 @@ def fit_keras(
     `"native"`: Keras' own ModelParallel, JAX); returns the parameter
     count, the steps' peak and `BackwardStart`'s figure (torch)."""
     fsdp = kd.FSDP(
-        # `kd.FSDP()` as it comes keeps the optimizer's state split (issue
-        # 40); `fsdp_gather` is the former default, gathered when a call ends.
+        # `kd.FSDP()` as it comes keeps the optimizer's state split;
+        # `fsdp_gather` gathers it when a call ends.
         keep_optimizer_sharded=not policy.startswith("fsdp_gather"),
         # Activation checkpointing: each Dense recomputed in backward.
         remat="full" if policy.endswith("_remat") else None,

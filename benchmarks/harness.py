@@ -298,7 +298,7 @@ def write_result(path: str, result: dict[str, Any]) -> None:
 def compare_memory(memory: dict[str, dict[str, Any]], devices: int) -> None:
     """Add to each candidate's memory record its bytes per device as a fraction
     of the replicated candidate's (`keras_dist_dp`) and that fraction times
-    `devices` (1 means exactly 1/N), with the FSDP target of issue 14: 1/N
+    `devices` (1 means exactly 1/N), with FSDP's target: 1/N
     within 5 % (`--check` reads it)."""
     replicated_bytes = memory["keras_dist_dp"]["max_device_bytes"]
     for record in memory.values():

@@ -1,5 +1,5 @@
 """One BatchNormalization layer's training step on PyTorch: keras_dist's ways
-against Keras' own and torch.nn's (issue 26, item 4).
+against Keras' own and torch.nn's.
 
 Times the forward and backward of one Keras `BatchNormalization` layer in
 training mode (`layer(x, training=True)`, then the gradient of a fixed

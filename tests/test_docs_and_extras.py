@@ -386,7 +386,9 @@ def _snippet_problems(path: pathlib.Path) -> list[str]:
 def test_every_snippet_line_of_the_docs_includes_what_it_names():
     pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
     included = [
-        page for page in pages if any(SNIPPET_LIKE.match(line) for line in page.read_text().splitlines())
+        page
+        for page in pages
+        if any(SNIPPET_LIKE.match(line) for line in page.read_text().splitlines())
     ]
     assert {page.name for page in included} >= {"tpu-pods.md", "fine-tuning.md"}
     problems = [problem for page in pages for problem in _snippet_problems(page)]
