@@ -844,3 +844,24 @@ def test_multi_slice_plan_warns_when_a_sequence_axis_spans_slices():
     assert "'seq': the keys and values of each attention layer" in message
     assert "data-center network" in message
     assert result.compiled.slice_axis == "seq"
+
+
+@jax_only
+@needs_libtpu
+def test_the_tpu_pods_page_plans_its_slice_as_the_page_shows():
+    """docs/tpu-pods.md's "Plan the slice first" block, run as written for
+    v5e-16: the verdict line and each step's peak are the page's."""
+    import pathlib  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "tpu-pods.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    (code,) = [block for block in blocks if 'topology="v5e-16"' in block]
+    shown = re.search(r"Its output .*?```text\n(.*?)```", page, re.S)[1]
+    namespace: dict = {}
+    exec(compile(code.replace("print(result)", ""), "tpu-pods.md", "exec"), namespace)  # noqa: S102
+    said = str(namespace["result"])
+    assert said.splitlines()[0] == shown.splitlines()[0]
+    peak = r"│\s+(train|test|predict) │\s+([\d.]+ [KMG]iB) │"
+    assert dict(re.findall(peak, said)) == dict(re.findall(peak, shown))
+    assert len(re.findall(peak, shown)) == 3
