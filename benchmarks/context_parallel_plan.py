@@ -13,7 +13,7 @@ global batch each mesh allows (one sequence per batch-axis shard):
 
 The figure is XLA's peak of the compiled train step per chip (arguments,
 outputs, temporaries, code, less the donated state), against the memory JAX
-lets a program use on the chip (15.75 GiB on v5e, 95.74 GiB on v5p).
+lets a program use on the chip (15.75 GiB on v5e; 95 GiB on v5p, its data sheet's HBM).
 
     # needs libtpu (pip install "keras-dist[tpu]"); CPU only is fine
     KERAS_BACKEND=jax python benchmarks/context_parallel_plan.py

@@ -387,6 +387,20 @@ def test_a_sequence_axis_must_be_another_axis_of_the_mesh_named_by_a_string(make
     assert "Received: sequence_axis=1" in str(error.value)
 
 
+@jax_only
+def test_data_parallel_with_the_sequence_axis_first_says_to_put_the_batch_axis_first():
+    import warnings  # noqa: PLC0415
+
+    mesh = _mesh((4, 2), ["seq", "batch"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused, not warned about first
+        with pytest.raises(ValueError, match="put the batch axis first") as error:
+            kd.DataParallel(mesh, sequence_axis="seq")
+    assert "batch axis='seq'" in str(error.value)
+    # FSDP names its batch axis (`axis="batch"`): any position will do.
+    assert kd.FSDP(mesh, sequence_axis="seq").batch_dim_name == "batch"
+
+
 @pytest.mark.backend("tensorflow", "torch")
 @pytest.mark.parametrize("policy", ["DataParallel", "FSDP", "ModelParallel"])
 def test_other_backends_refuse_a_sequence_axis_at_construction(policy):

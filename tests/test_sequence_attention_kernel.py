@@ -102,3 +102,88 @@ def test_an_axis_of_size_one_changes_no_layer():
 def test_xla_attention_leaves_a_layer_without_the_setting():
     assert xla_attention(keras.layers.Dense(2)) is None
     assert flash_attention_choice(keras.layers.Dense(2)) is None
+
+
+class _OwnAttention(keras.layers.Layer):
+    """An attention layer with query, key and value projections that calls
+    the op itself, asking for the flash kernel."""
+
+    def __init__(self, flash_attention, **kwargs):
+        super().__init__(**kwargs)
+        self.flash_attention = flash_attention
+        self.query_dense = keras.layers.Dense(8)
+        self.key_dense = keras.layers.Dense(8)
+        self.value_dense = keras.layers.Dense(8)
+
+    def build(self, input_shape):
+        for projection in (self.query_dense, self.key_dense, self.value_dense):
+            projection.build(input_shape)
+
+    def call(self, hidden):
+        def heads(x):
+            return keras.ops.reshape(x, (-1, keras.ops.shape(x)[1], 2, 4))
+
+        attended = keras.ops.dot_product_attention(
+            heads(self.query_dense(hidden)),
+            heads(self.key_dense(hidden)),
+            heads(self.value_dense(hidden)),
+            is_causal=True,
+            flash_attention=self.flash_attention,
+        )
+        return keras.ops.reshape(attended, (-1, keras.ops.shape(hidden)[1], 8))
+
+
+def _own_attention_model(flash_attention) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((8,), dtype="int32")
+    hidden = keras.layers.Embedding(16, 8)(tokens)
+    attended = _OwnAttention(flash_attention, name="own")(hidden)
+    model = keras.Model(tokens, keras.layers.Dense(16)(hidden + attended))
+    model.compile(
+        optimizer="sgd",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def test_flash_attention_true_at_the_op_is_refused_naming_the_axis():
+    x = np.random.default_rng(0).integers(0, 16, (8, 8)).astype("int32")
+    # Built with the choice left to Keras (on this CPU Keras itself refuses
+    # True), then asking for the kernel in the call.
+    model = _own_attention_model(flash_attention=None)
+    model.get_layer("own").flash_attention = True
+    with pytest.raises(ValueError, match="flash_attention=True during a call") as error:
+        model.predict(
+            x,
+            batch_size=8,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(_distribution((2, 4)))],
+        )
+    assert "along 'seq'" in str(error.value)
+    # Left to Keras (None), the same layer trains: XLA's attention.
+    model = _own_attention_model(flash_attention=None)
+    model.fit(
+        x,
+        x,
+        batch_size=8,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(_distribution((2, 4)))],
+    )
+
+
+def test_a_failure_while_splitting_undoes_what_was_changed(monkeypatch):
+    from keras_dist.backends.jax import sequence as jax_sequence  # noqa: PLC0415
+
+    def fails(axis):
+        raise RuntimeError("the kernel choice could not be patched")
+
+    monkeypatch.setattr(jax_sequence, "xla_attention_only", fails)
+    model = _decoder()
+    layer = model.get_layer("attention")
+    calls = {id(each): each.call for each in (layer, layer._query_dense)}
+    with pytest.raises(RuntimeError, match="could not be patched"):
+        split_sequence(model, _distribution((2, 4)))
+    assert flash_attention_choice(layer) is None
+    assert keras.config.is_flash_attention_enabled() is None
+    for each in (layer, layer._query_dense):
+        assert each.call == calls[id(each)]

@@ -296,9 +296,13 @@ class DataParallel(Distribution, keras.distribution.DataParallel):
         device_mesh = one_axis_mesh(
             device_mesh, devices, DEFAULT_BATCH_DIM_NAME, "DataParallel"
         )
-        if len(device_mesh.shape) != 1 and list(device_mesh.axis_names)[1:] != [
-            sequence_axis
-        ]:
+        names = list(device_mesh.axis_names)
+        if (
+            len(names) != 1
+            and names[1:] != [sequence_axis]
+            and names[0] != sequence_axis
+        ):
+            # (a sequence axis first is refused below, naming the fix)
             job.warn_once(
                 f"DataParallel splits the batch along the first mesh axis "
                 f"({device_mesh.axis_names[0]!r}) and replicates along the others; "

@@ -45,7 +45,8 @@ Qwen) leave the choice to Keras' JAX backend at each op, which would take
 cuDNN's fused attention on a GPU that has it (its partitioning refuses a
 query split along the sequence) or Splash on TPU: for the call the backend
 is told it has no such kernel (`keras_internals.xla_attention_only`). A
-layer built with `flash_attention=True` is refused. On
+layer built with `flash_attention=True` is refused, and so is an explicit
+`flash_attention=True` reaching the op. On
 an axis of size 1 nothing is split: every layer keeps its kernel
 (`flash_attention=True` included), and the step compiles to the program it
 has without the sequence axis.
@@ -92,8 +93,11 @@ def check_sequence_axis(sequence_axis: Any, device_mesh: Any, batch_axis: str) -
     if sequence_axis == batch_axis:
         raise ValueError(
             "`sequence_axis` must differ from the batch axis: the batch is split "
-            "along one axis and each sequence along another. Received: "
-            f"sequence_axis={sequence_axis!r}, batch axis={batch_axis!r}"
+            "along one axis and each sequence along another (DataParallel "
+            "splits the batch along the mesh's first axis: put the batch axis "
+            "first, e.g. kd.DeviceMesh((2, 4), ['batch', "
+            f"{sequence_axis!r}])). Received: sequence_axis={sequence_axis!r}, "
+            f"batch axis={batch_axis!r}"
         )
     backend = keras.backend.backend()
     if backend != "jax":
@@ -130,12 +134,15 @@ def data_axes(
     if shape[1] % parts:
         raise ValueError(
             f"The sequence axis {sequence_axis!r} splits each sequence into "
-            f"{parts} equal chunks, but an input array of shape {tuple(shape)} "
-            f"has {shape[1]} positions in its second dimension. Pad the "
-            f"sequences to a multiple of {parts} (with a padding mask, e.g. a "
-            f"KerasHub preprocessor's `sequence_length=`), or use a sequence "
-            "axis that divides them. Every input and target array of rank 2 or "
-            "more is split along its second dimension."
+            f"{parts} equal chunks, but an input or target array of shape "
+            f"{tuple(shape)} has {shape[1]} positions in its second dimension. "
+            "Every input, target and sample-weight array of rank 2 or more is "
+            "split along its second dimension. For sequences: pad them to a "
+            f"multiple of {parts} (with a padding mask, e.g. a KerasHub "
+            "preprocessor's `sequence_length=`), or use a sequence axis that "
+            "divides them. For an array that is not a sequence (one-hot labels "
+            "[batch, classes], features [batch, features]): give integer labels "
+            "of shape [batch] with a sparse loss, or shape [batch, 1, ...]."
         )
     axes[1] = sequence_axis
     return axes
@@ -260,19 +267,23 @@ def split_sequence(model: Any, distribution: Any) -> Callable[[], None]:
 
     split = jax_sequence.constraint(mesh, batch, axis)
     whole = jax_sequence.constraint(mesh, batch, None)
-    for layer, projections in layers:
-        undo.append(_wrap_call(projections["query"], split))
-        undo.append(_wrap_call(projections["key"], whole))
-        undo.append(_wrap_call(projections["value"], whole))
-        undo.append(_wrap_call(layer, split))
-    if axis_size(distribution.device_mesh, axis) == 1:
-        return undo_all
-    for layer, _ in layers:
-        undo_kernel = xla_attention(layer)
-        if undo_kernel is not None:
-            undo.append(undo_kernel)
-    if keras.config.is_flash_attention_enabled() is not False:
-        keras.config.disable_flash_attention()
-        undo.append(keras.config.enable_flash_attention)
-    undo.append(jax_sequence.xla_attention_only())
+    try:  # what was changed before a failure is undone with it
+        for layer, projections in layers:
+            undo.append(_wrap_call(projections["query"], split))
+            undo.append(_wrap_call(projections["key"], whole))
+            undo.append(_wrap_call(projections["value"], whole))
+            undo.append(_wrap_call(layer, split))
+        if axis_size(distribution.device_mesh, axis) == 1:
+            return undo_all
+        for layer, _ in layers:
+            undo_kernel = xla_attention(layer)
+            if undo_kernel is not None:
+                undo.append(undo_kernel)
+        if keras.config.is_flash_attention_enabled() is not False:
+            keras.config.disable_flash_attention()
+            undo.append(keras.config.enable_flash_attention)
+        undo.append(jax_sequence.xla_attention_only(axis))
+    except BaseException:
+        undo_all()
+        raise
     return undo_all

@@ -490,7 +490,7 @@ def _jax_nn() -> Any:
     return None
 
 
-def xla_attention_only() -> Callable[[], None]:
+def xla_attention_only(sequence_axis: str) -> Callable[[], None]:
     """Make Keras' JAX `dot_product_attention` choose XLA's attention where
     its caller leaves the choice to it (`flash_attention=None`, as KerasHub's
     Llama, Mistral, Gemma and Qwen call it), until what is returned undoes
@@ -498,14 +498,23 @@ def xla_attention_only() -> Callable[[], None]:
     whose partitioning refuses a query split along the sequence, and the
     Splash kernel on a TPU, which XLA cannot partition; it reads
     `keras.config.is_flash_attention_enabled()` only where a layer is made,
-    not at the op. An explicit `flash_attention=True` still asks for the
-    kernel."""
+    not at the op. An explicit `flash_attention=True` (Keras then asks with
+    `raise_error=True`) raises a `ValueError` naming `sequence_axis`: no flash
+    kernel can be split along the sequence."""
     jax_nn = _jax_nn()
     original = jax_nn._can_use_flash_attention
 
     def can_use(query: Any, key: Any, value: Any, bias: Any, raise_error=False):
         if raise_error:
-            return original(query, key, value, bias, raise_error=True)
+            raise ValueError(
+                "keras.ops.dot_product_attention was called with "
+                "flash_attention=True during a call whose distribution splits "
+                f"each sequence along {sequence_axis!r} (sequence_axis=): the "
+                "flash kernels (Splash on TPU, cuDNN on GPU) cannot be split "
+                "along the sequence. Pass flash_attention=None (XLA's attention "
+                "runs) or False there, or drop sequence_axis. Received: "
+                f"query shape {tuple(query.shape)}"
+            )
         return False
 
     jax_nn._can_use_flash_attention = can_use
