@@ -40,16 +40,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-#: Gemma 2B (keras_hub's `gemma_2b_en` preset: 2,506,172,416 parameters).
-GEMMA_2B = {
-    "vocabulary_size": 256000,
-    "num_layers": 18,
-    "num_query_heads": 8,
-    "num_key_value_heads": 1,
-    "hidden_dim": 2048,
-    "intermediate_dim": 32768,
-    "head_dim": 256,
-}
+# Gemma 2B's configuration (keras_hub's `gemma_2b_en` preset: 2,506,172,416
+# parameters), as the plan_search benchmark plans it.
+from benchmarks.plan_search_llm import GEMMA_2B  # noqa: E402
+
 POLICIES = ("fsdp", "fsdp+seq")
 LABELS = {"fsdp": "FSDP", "fsdp+seq": "FSDP + sequence axis"}
 GIB = 2**30

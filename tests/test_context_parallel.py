@@ -267,12 +267,8 @@ def _data_parallel_2x4() -> kd.DataParallel:
     return kd.DataParallel(_mesh((2, 4), ["batch", "seq"]), sequence_axis="seq")
 
 
-@jax_only
-def test_a_length_the_axis_does_not_divide_is_refused_at_the_first_batch(
-    compiled_functions,
-):
-    x, y, weights = data(length=10)
-    model = decoder(length=None)
+def _refused_fit(model: keras.Model, x, y) -> str:
+    """The `ValueError` `fit` under `(2, 4)` with a sequence axis raises."""
     with pytest.raises(ValueError) as error:
         model.fit(
             x,
@@ -281,7 +277,15 @@ def test_a_length_the_axis_does_not_divide_is_refused_at_the_first_batch(
             verbose=0,
             callbacks=[kd.DistributeCallback(_data_parallel_2x4())],
         )
-    message = str(error.value)
+    return str(error.value)
+
+
+@jax_only
+def test_a_length_the_axis_does_not_divide_is_refused_at_the_first_batch(
+    compiled_functions,
+):
+    x, y, weights = data(length=10)
+    message = _refused_fit(decoder(length=None), x, y)
     assert "'seq' splits each sequence into 4 equal chunks" in message
     assert "(8, 10)" in message and "multiple of 4" in message
     assert _steps(compiled_functions) == []
@@ -317,15 +321,7 @@ def test_a_layer_built_with_flash_attention_is_refused_when_the_call_starts(
     model = decoder(flash_attention=True)
     x, y, _ = data()
     built = len(compiled_functions)
-    with pytest.raises(ValueError) as error:
-        model.fit(
-            x,
-            y,
-            batch_size=BATCH,
-            verbose=0,
-            callbacks=[kd.DistributeCallback(_data_parallel_2x4())],
-        )
-    message = str(error.value)
+    message = _refused_fit(model, x, y)
     assert "'attention' was built with flash_attention=True" in message
     assert "flash_attention=None or False" in message
     assert compiled_functions[built:] == []  # refused before Keras ran anything

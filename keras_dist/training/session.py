@@ -220,10 +220,11 @@ def _runs_end_with_their_call(
     the same handling as an error raised during the call."""
     for stale in [run for run in _active_runs.values() if run.stale]:
         stale.stop()
+    given = _distribution_in(callbacks)
     # Before Keras builds the model or compiles a step (`sequence_axis=`).
-    check_model(model, _distribution_in(callbacks))
+    check_model(model, given)
     starting = (
-        get_adapter().call_starting(model, name, _distribution_in(callbacks))
+        get_adapter().call_starting(model, name, given)
         if id(model) not in _active_runs
         else contextlib.nullcontext()
     )
@@ -242,11 +243,7 @@ def _runs_end_with_their_call(
             # DistributeCallback of a call whose run had not started yet
             # (Keras builds the optimizer's slots before it).
             run = _active_runs.get(id(model))
-            distribution = (
-                run.distribution
-                if run
-                else token.distribution or _distribution_in(callbacks)
-            )
+            distribution = run.distribution if run else token.distribution or given
             if distribution is None or not out_of_memory.is_out_of_memory(error):
                 raise
             if run is not None and run is not before:
