@@ -22,6 +22,7 @@ import pytest
 
 import keras_dist as kd
 from tests.multiprocess import once_per_run, run_job
+from tests.untouched import Untouched
 from tests.workers.context_parallel_models import (
     BATCH,
     LENGTH,
@@ -289,6 +290,67 @@ def test_a_length_the_axis_does_not_divide_is_refused_at_the_first_batch(
     assert "'seq' splits each sequence into 4 equal chunks" in message
     assert "(8, 10)" in message and "multiple of 4" in message
     assert _steps(compiled_functions) == []
+
+
+def _fit_plainly(model: keras.Model, x, y) -> list:
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+@jax_only
+def test_a_refused_first_fit_leaves_the_fresh_model_as_it_was():
+    """Refused in the first step, after Keras detached the variables' values
+    for it: they are given back, and everything else is as it was."""
+    x, y, _ = data(length=62)
+    model = decoder(length=None)
+    before = Untouched(model)
+    message = _refused_fit(model, x, y)
+    assert "(8, 62)" in message and "multiple of 4" in message
+    before.check()
+    # Plain Keras trains it as an untouched twin; the corrected call trains.
+    for got, want in zip(
+        _fit_plainly(model, x, y), _fit_plainly(decoder(length=None), x, y), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    x, y, _ = data(length=64)
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(_data_parallel_2x4())],
+    )
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+@jax_only
+def test_a_refused_predict_leaves_the_trained_model_as_it_was():
+    model = decoder(length=None)
+    x, y, _ = data()
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(_data_parallel_2x4())],
+    )
+    before = Untouched(model)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        model.predict(
+            data(length=62)[0],
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(_data_parallel_2x4())],
+        )
+    before.check()
+    plain = model.predict(x, batch_size=BATCH, verbose=0)
+    corrected = model.predict(
+        x,
+        batch_size=BATCH,
+        verbose=0,
+        callbacks=[kd.DistributeCallback(_data_parallel_2x4())],
+    )
+    np.testing.assert_allclose(corrected, plain, atol=1e-5, rtol=0)
 
 
 @jax_only

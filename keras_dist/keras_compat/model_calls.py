@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
+
+from keras_dist.keras_compat import backend as keras_backends
 
 # Keras' calls that hand the model to their callbacks (`CallbackList.set_model`).
 MODEL_CALLS = ("fit", "evaluate", "predict")
@@ -54,8 +57,94 @@ def _call_within(
     return call
 
 
+@contextlib.contextmanager
+def values_kept(model: Any) -> Iterator[None]:
+    """A Keras call on `model` that raises leaves every variable of the
+    model, its optimizer and its metrics holding a value.
+
+    Keras' JAX trainer detaches the variables' values as a step's state is
+    gathered (`_purge_model_variables`: the step's arrays are the only copy,
+    to save memory) and writes them back at an epoch's end, in `fit`'s
+    `finally` or after `evaluate`'s and `predict`'s loops. An error raised
+    in the first step (a batch refused as it is laid out, a step XLA cannot
+    compile, a memory error) leaves no state to write back, and `evaluate`
+    and `predict` write nothing back at all when they raise: the model's
+    variables are left with no value (`get_weights()` then fails inside
+    Keras). Here each value detached during the call is kept; when the call
+    raises, the state Keras holds from the last step that ran is written
+    back (`jax_state_sync`) and every variable still without a value gets
+    the one detached from it. A value a failed step consumed (donated) is
+    lost: a note on the error names the variables. Backends that detach
+    nothing: the block runs as it is."""
+    if not callable(getattr(type(model), "_purge_model_variables", None)):
+        yield
+        return
+    detached: dict[int, tuple[Any, Any]] = {}
+    purge = model._purge_model_variables
+    had_own = "_purge_model_variables" in vars(model)
+
+    def keep_then_purge(*args: Any, **kwargs: Any) -> Any:
+        for variable in _all_variables(model):
+            if variable._value is not None:
+                detached[id(variable)] = (variable, variable._value)
+        return purge(*args, **kwargs)
+
+    model._purge_model_variables = keep_then_purge
+    try:
+        yield
+    except BaseException as error:
+        lost = _put_back(model, detached.values())
+        if lost:
+            error.add_note(
+                f"keras_dist could not give {len(lost)} variables of model "
+                f"{model.name!r} their values back (the failed step consumed "
+                f"them), e.g. {lost[0]!r}: restore the model from a checkpoint "
+                "or build it again."
+            )
+        raise
+    finally:
+        if had_own:
+            model._purge_model_variables = purge
+        else:
+            vars(model).pop("_purge_model_variables", None)
+
+
+def _all_variables(model: Any) -> list[Any]:
+    optimizer = getattr(model, "optimizer", None)
+    return [
+        *model.variables,
+        *(optimizer.variables if optimizer is not None else ()),
+        *model.metrics_variables,
+    ]
+
+
+def _usable(value: Any) -> bool:
+    is_deleted = getattr(value, "is_deleted", None)
+    return value is not None and not (callable(is_deleted) and is_deleted())
+
+
+def _put_back(model: Any, detached: Any) -> list[str]:
+    """Write back the state of the last step that ran, then each detached
+    value still missing; the paths of the variables left without one."""
+    state = getattr(model, "_jax_state", None)
+    if state and not getattr(model, "_jax_state_synced", True):
+        held = [value for group in state.values() for value in group or ()]
+        if all(_usable(value) for value in held):
+            model.jax_state_sync()
+    model._jax_state, model._jax_state_synced = None, True
+    lost = []
+    for variable, value in detached:
+        if variable._value is not None:
+            continue
+        if _usable(value):
+            variable._value = value
+        else:
+            lost.append(variable.path)
+    return lost
+
+
 def check() -> list[str]:
-    """What `run_model_calls_within` needs."""
+    """What `run_model_calls_within` and `values_kept` need."""
     missing = []
     for name in MODEL_CALLS:
         call = getattr(keras.Model, name, None)
@@ -65,4 +154,16 @@ def check() -> list[str]:
             or "callbacks" not in inspect.signature(target).parameters
         ):
             missing.append(f"keras.Model.{name}(..., callbacks=...)")
+    if keras.backend.backend() == "jax":
+        trainer = keras_backends.trainer_class("jax")
+        gather = getattr(trainer, "_get_jax_state", None)
+        if not callable(getattr(trainer, "jax_state_sync", None)):
+            missing.append("JAXTrainer.jax_state_sync")
+        if not callable(getattr(trainer, "_purge_model_variables", None)) or (
+            gather is None
+            or "self._purge_model_variables(" not in inspect.getsource(gather)
+        ):
+            missing.append("JAXTrainer._get_jax_state calls _purge_model_variables")
+        if "_value" not in vars(keras.Variable(0.0)):
+            missing.append("Variable._value")
     return missing

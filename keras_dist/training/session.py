@@ -19,6 +19,7 @@ from keras_dist.faults import heartbeat
 from keras_dist.keras_compat.callbacks import silence_callbacks
 from keras_dist.keras_compat.distribution import KerasDistribution
 from keras_dist.keras_compat.layers import layers_of
+from keras_dist.keras_compat.model_calls import values_kept
 from keras_dist.runtime.join_check import require_joined
 from keras_dist.training import out_of_memory, saving
 
@@ -233,7 +234,11 @@ def _runs_end_with_their_call(
     with starting:
         _calls_in_progress.append(token)
         try:
-            yield
+            # Innermost: the variables hold their values again before the
+            # error is explained or the run stops (Keras' JAX trainer
+            # detaches them for its steps).
+            with values_kept(model):
+                yield
             run = _active_runs.get(id(model))
             if token.distribution is not None or run is not None:
                 # The run may have ended with the call (on_train_end).
