@@ -38,6 +38,7 @@ def test_processes_given_different_directories_are_refused_at_once(tmp_path):
     for rank, result in enumerate(results):
         refusal = result["refusal"]
         assert refusal is not None and refusal["type"] == "ValueError", result
+        assert result["untouched"], result
         message = refusal["message"]
         assert "the 2 processes of this job were given 2 different" in message
         assert f"rank 0: {str(base / 'own-0')!r}" in message

@@ -163,6 +163,22 @@ def test_training_evaluate_and_predict_equal_plain_keras(case, reference, distri
 
 
 @jax_only
+def test_offloaded_optimizer_state_with_a_sequence_axis_trains_as_without(
+    distributed,
+):
+    model = decoder()
+    distribution = kd.DataParallel(
+        _mesh((2, 4), ["batch", "seq"]), sequence_axis="seq", offload="optimizer"
+    )
+    ours = run(model, [kd.DistributeCallback(distribution)], fit_only=True)
+    expected = distributed("data_parallel_2x4")["weights"]
+    for got, want in zip(ours["weights"], expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    moments = [v for v in model.optimizer.variables if "moment" in v.name]
+    assert {v.value.sharding.memory_kind for v in moments} == {"pinned_host"}
+
+
+@jax_only
 def test_tensor_parallel_case_splits_heads_on_the_model_axis(distributed):
     distribution = distributed("tensor_parallel_2x2x2")["distribution"]
     layout_map = distribution.layout_map
@@ -359,6 +375,7 @@ def test_a_model_without_attention_is_refused_when_the_call_starts(
 ):
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)], name="mlp")
     model.compile(optimizer="adam", loss="mse")
+    before = Untouched(model)
     built = len(compiled_functions)
     for call, arguments in [
         (model.fit, (np.zeros((8, 8)), np.zeros((8, 4)))),
@@ -374,6 +391,7 @@ def test_a_model_without_attention_is_refused_when_the_call_starts(
         assert "'mlp' has no attention layer" in message
         assert "Drop `sequence_axis`" in message
     assert compiled_functions[built:] == []  # refused before Keras ran anything
+    before.check()
 
 
 @jax_only
@@ -382,11 +400,13 @@ def test_a_layer_built_with_flash_attention_is_refused_when_the_call_starts(
 ):
     model = decoder(flash_attention=True)
     x, y, _ = data()
+    before = Untouched(model)
     built = len(compiled_functions)
     message = _refused_fit(model, x, y)
     assert "'attention' was built with flash_attention=True" in message
     assert "flash_attention=None or False" in message
     assert compiled_functions[built:] == []  # refused before Keras ran anything
+    before.check()
 
 
 @jax_only

@@ -21,6 +21,7 @@ import pytest
 
 import keras_dist as kd
 from tests.multiprocess import run_job
+from tests.untouched import Untouched
 
 pytestmark = pytest.mark.backend("jax")
 
@@ -66,8 +67,10 @@ def test_a_layout_that_does_not_divide_names_the_variable_and_leaves_the_model()
     distribution = kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
     net = _net()
     before = net.get_weights()
+    untouched = Untouched(net)
     with pytest.raises(ValueError) as raised:
         _fit(net, kd.DistributeCallback(distribution))
+    untouched.check()
     message = str(raised.value)
     assert "'net/wide/kernel' of shape (4, 10)" in message
     assert "dimension 1 has size 10" in message
@@ -80,6 +83,11 @@ def test_a_layout_that_does_not_divide_names_the_variable_and_leaves_the_model()
     trained = _fit(net)
     for ours, theirs in zip(trained, _fit(_net()), strict=True):
         np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+    # The corrected layout (4 columns over 4 devices) trains it.
+    layout_map = kd.LayoutMap(mesh)
+    layout_map["narrow/kernel"] = (None, "model")
+    corrected = kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    assert all(np.isfinite(w).all() for w in _fit(net, kd.DistributeCallback(corrected)))
 
 
 def test_model_parallel_saves_across_processes_equal_one_process(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 
 import keras_dist as kd
 from tests.conftest import BACKEND
+from tests.untouched import Untouched
 
 jax_only = pytest.mark.backend("jax")
 STATE = ("momentum", "velocity")
@@ -297,6 +298,62 @@ def test_a_checkpoint_of_offloaded_state_saves_and_restores_it(tmp_path):
 # -- the state in bfloat16 ------------------------------------------------------
 # Measured: 2 epochs (4 steps) of Adam(0.01) on this model, the weights of
 # bfloat16 state differ from float32 state's by at most 9.7e-5.
+class _TrainerNet(kd.Trainer, keras.Model):
+    pass
+
+
+def _trainer_model(distribution: object) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(32, activation="relu")(inputs)
+    outputs = keras.layers.Dense(4)(keras.layers.Dense(32)(hidden))
+    model = _TrainerNet(inputs, outputs, distribution=distribution)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+@jax_only
+def test_offload_with_remat_mixed_precision_the_trainer_and_a_second_fit():
+    """`remat="dots"`, `mixed_precision=` and `kd.Trainer` together, and a
+    second `fit` of the same model: as the same runs without offload."""
+    runs = []
+    for offload in (None, "optimizer"):
+        distribution = kd.FSDP(
+            min_size=16, remat="dots", mixed_precision="bfloat16", offload=offload
+        )
+        model = _trainer_model(distribution)
+        x, y = _data()
+        fits = []
+        for _ in range(2):
+            model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+            fits.append([np.asarray(w) for w in model.weights])
+        runs.append(fits)
+    for ours, expected in zip(runs[1], runs[0], strict=True):
+        for got, want in zip(ours, expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert not np.array_equal(runs[1][0][0], runs[1][1][0])  # the second trained
+
+
+@jax_only
+def test_a_plain_keras_fit_after_an_offloaded_one_trains_as_without_it():
+    """The slots stay in host memory after the offloaded `fit`; a plain Keras
+    `fit` brings them back to the devices, where Keras' own step reads them."""
+    x, y = _data()
+    runs = []
+    for offload in (None, "optimizer"):
+        model = _model(keras.optimizers.Adam(0.01))
+        _fit(model, kd.DataParallel(offload=offload))
+        if offload:
+            assert {v.value.sharding.memory_kind for v in _state_slots(model)} == {
+                "pinned_host"
+            }
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        runs.append([np.asarray(w) for w in model.weights])
+    for got, want in zip(runs[1], runs[0], strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert {v.value.sharding.memory_kind for v in _state_slots(model)} == {"device"}
+
+
 BF16_TOLERANCE = 1e-3
 
 
@@ -330,17 +387,25 @@ def test_bfloat16_state_trains_close_to_float32_state(offload, tmp_path):
 def test_an_optimizer_built_in_float32_is_refused_for_bfloat16_state():
     model = _model(keras.optimizers.Adam(0.01))
     _fit(model, kd.DataParallel())
+    before = Untouched(model)
     distribution = kd.DataParallel(optimizer_state_dtype="bfloat16")
     with pytest.raises(ValueError, match="Compile the model again"):
         _fit(model, distribution)
+    before.check()
+    # Plain Keras and the corrected call (no state dtype) train it.
+    model.fit(*_data(), batch_size=16, verbose=0)
+    _fit(model, kd.DataParallel())
 
 
 @jax_only
 def test_bfloat16_slots_are_refused_by_a_distribution_without_the_state_dtype():
     model = _model(keras.optimizers.Adam(0.01))
     _fit(model, kd.DataParallel(optimizer_state_dtype="bfloat16"))
+    before = Untouched(model)
     with pytest.raises(ValueError, match="narrower than its variable"):
         _fit(model, kd.DataParallel())
+    before.check()
+    _fit(model, kd.DataParallel(optimizer_state_dtype="bfloat16"))
 
 
 @pytest.mark.backend("jax")

@@ -14,6 +14,7 @@ import pytest
 import keras_dist as kd
 from keras_dist.planner import on_devices
 from keras_dist.training.out_of_memory import OutOfDeviceMemoryError
+from tests.untouched import Untouched
 
 BACKEND = keras.backend.backend()
 
@@ -27,7 +28,7 @@ class Exhausting(keras.layers.Layer):
         self.message = message
 
     def call(self, inputs, training=None):
-        if training:
+        if training and self.message:
             raise RuntimeError(self.message)
         return inputs
 
@@ -42,7 +43,7 @@ class ExhaustedAfterStep(keras.callbacks.Callback):
 def _model(message: str | None) -> keras.Model:
     layers = [keras.Input((16,)), keras.layers.Dense(256, name="wide")]
     if message is not None:
-        layers.append(Exhausting(message))
+        layers.append(Exhausting(message, name="exhausting"))
     layers.append(keras.layers.Dense(4, name="out"))
     model = keras.Sequential(layers)
     model.compile(optimizer="adam", loss="mse")
@@ -60,9 +61,12 @@ OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4294967296 byt
 
 def test_an_out_of_memory_error_names_the_largest_variables_and_what_would_fit():
     model = _model(OOM)
+    before = Untouched(model)
     distribution = kd.DataParallel()
     with pytest.raises(OutOfDeviceMemoryError) as raised:
         _fit(model, [kd.DistributeCallback(distribution)])
+    # Raised in the first step: the model, Keras and keras_dist as they were.
+    before.check()
     message = str(raised.value)
     assert message.startswith("fit ran out of device memory under")
     assert "wide/kernel (16, 256)" in message, message  # the largest first
@@ -84,8 +88,11 @@ def test_an_out_of_memory_error_names_the_largest_variables_and_what_would_fit()
             assert "kd.FSDP()" not in message
     assert "keras_dist.plan_search" in message
     assert OOM in message and isinstance(raised.value.__cause__, RuntimeError)
-    # The run ended with the call: the model trains again afterwards.
-    assert keras.distribution.distribution() is None
+    # The run ended with the call: the model trains again afterwards, in
+    # plain Keras and under the distribution (the engine's memory found).
+    model.get_layer("exhausting").message = None
+    _fit(model, [])
+    _fit(model, [kd.DistributeCallback(distribution)])
 
 
 def test_other_errors_and_plain_keras_are_left_as_they_are():

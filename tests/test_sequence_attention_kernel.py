@@ -16,6 +16,7 @@ import pytest
 import keras_dist as kd
 from keras_dist.distribution.sequence import split_sequence
 from keras_dist.keras_compat.layers import flash_attention_choice, xla_attention
+from tests.untouched import Untouched
 
 pytestmark = pytest.mark.backend("jax")
 
@@ -152,6 +153,7 @@ def test_flash_attention_true_at_the_op_is_refused_naming_the_axis():
     # True), then asking for the kernel in the call.
     model = _own_attention_model(flash_attention=None)
     model.get_layer("own").flash_attention = True
+    before = Untouched(model)
     with pytest.raises(ValueError, match="flash_attention=True during a call") as error:
         model.predict(
             x,
@@ -160,8 +162,12 @@ def test_flash_attention_true_at_the_op_is_refused_naming_the_axis():
             callbacks=[kd.DistributeCallback(_distribution((2, 4)))],
         )
     assert "along 'seq'" in str(error.value)
+    # Refused while the step was traced: the model and Keras' kernel choice
+    # are as they were, and plain Keras predicts.
+    before.check()
+    model.get_layer("own").flash_attention = None
+    assert model.predict(x, batch_size=8, verbose=0).shape == (8, 8, 16)
     # Left to Keras (None), the same layer trains: XLA's attention.
-    model = _own_attention_model(flash_attention=None)
     model.fit(
         x,
         x,

@@ -35,6 +35,18 @@ _OWN = {
 }
 
 
+# Fixes TensorFlow's adapter installs once for the process at its first
+# distributed call, for good (`install_multi_worker_fixes`,
+# `install_scalar_reads`: Keras' own behaviour outside keras_dist's strategies).
+_FOR_THE_PROCESS = {
+    ("keras.src.backend.tensorflow.trainer", "reduce_per_replica"),
+    ("TensorFlowTrainer", "_maybe_symbolic_build"),
+    ("Trainer", "_maybe_symbolic_build"),
+    ("Variable", "__int__"),
+    ("Variable", "__float__"),
+}
+
+
 def _keras_functions() -> dict[tuple[str, str], int]:
     """The identity of every attribute of the Keras modules and classes
     keras_dist may patch during a call."""
@@ -116,5 +128,6 @@ class Untouched:
             key
             for key, value in _keras_functions().items()
             if self.functions.get(key) != value
+            and not (keras.backend.backend() == "tensorflow" and key in _FOR_THE_PROCESS)
         }
         assert not changed, f"patched and left: {sorted(changed)}"

@@ -305,9 +305,16 @@ class JaxAdapter(BackendAdapter):
         it mirrors the moment Keras makes it (`each_new_slot`), so the
         optimizer's state is never all whole on one device (Adam's: twice
         the model). A state slot that `offload=` keeps in host memory goes
-        there as it is made, and `optimizer_state_dtype=` is its dtype."""
+        there as it is made, and `optimizer_state_dtype=` is its dtype.
+
+        A plain Keras `fit` (no keras_dist distribution) of a model whose
+        slots an offloaded run left in host memory gets them back on the
+        devices first, where Keras' own step reads them (it cannot mix
+        memory kinds)."""
         optimizer = getattr(model, "optimizer", None)
         placement = getattr(distribution, "state_placement", None)
+        if distribution is None and name == "fit" and optimizer is not None:
+            _slots_back_on_the_devices(optimizer)
         if (
             not isinstance(distribution, keras.distribution.ModelParallel)
             and placement is None
@@ -543,6 +550,15 @@ def _check_layout_divides(variable: Any, layout: Any) -> None:
             f"or use a mesh whose axis {names[0]!r} has a size that divides {size}. "
             "The model was left as it was."
         )
+
+
+def _slots_back_on_the_devices(optimizer: Any) -> None:
+    """Each of `optimizer`'s variables held in host memory (`offload=`) laid
+    out on the devices as it is split, its value unchanged."""
+    for variable in optimizer.variables:
+        layout = getattr(variable, "_layout", None)
+        if getattr(layout, "memory_kind", None) == offload.HOST_MEMORY:
+            internals.relayout_variable(variable, layout.with_memory_kind("device"))
 
 
 def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
