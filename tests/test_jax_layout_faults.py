@@ -87,7 +87,9 @@ def test_a_layout_that_does_not_divide_names_the_variable_and_leaves_the_model()
     layout_map = kd.LayoutMap(mesh)
     layout_map["narrow/kernel"] = (None, "model")
     corrected = kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-    assert all(np.isfinite(w).all() for w in _fit(net, kd.DistributeCallback(corrected)))
+    assert all(
+        np.isfinite(w).all() for w in _fit(net, kd.DistributeCallback(corrected))
+    )
 
 
 def test_model_parallel_saves_across_processes_equal_one_process(tmp_path):

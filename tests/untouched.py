@@ -128,6 +128,8 @@ class Untouched:
             key
             for key, value in _keras_functions().items()
             if self.functions.get(key) != value
-            and not (keras.backend.backend() == "tensorflow" and key in _FOR_THE_PROCESS)
+            and not (
+                keras.backend.backend() == "tensorflow" and key in _FOR_THE_PROCESS
+            )
         }
         assert not changed, f"patched and left: {sorted(changed)}"
