@@ -84,20 +84,26 @@ def check_sequence_axis(sequence_axis: Any, device_mesh: Any, batch_axis: str) -
             f"Received: sequence_axis={sequence_axis!r}"
         )
     names = list(device_mesh.axis_names)
+    others = [name for name in names if name != batch_axis]
     if sequence_axis not in names:
         raise ValueError(
-            f"`sequence_axis` must be an axis of the mesh, one of {names}: build "
-            f"the mesh with one, e.g. kd.DeviceMesh((2, 4), ['batch', "
-            f"{sequence_axis!r}]). Received: sequence_axis={sequence_axis!r}"
+            f"`sequence_axis` must be an axis of the mesh other than the batch "
+            f"axis {batch_axis!r}: one of {others}, or build the mesh with one, "
+            f"e.g. kd.DeviceMesh((2, 4), [{batch_axis!r}, {sequence_axis!r}]). "
+            f"Received: sequence_axis={sequence_axis!r}"
         )
     if sequence_axis == batch_axis:
+        # A mesh with a batch axis and a sequence axis of distinct names.
+        sequence = sequence_axis if sequence_axis != "batch" else "seq"
+        choices = f"one of {others}, or " if others else ""
         raise ValueError(
             "`sequence_axis` must differ from the batch axis: the batch is split "
-            "along one axis and each sequence along another (DataParallel "
-            "splits the batch along the mesh's first axis: put the batch axis "
-            "first, e.g. kd.DeviceMesh((2, 4), ['batch', "
-            f"{sequence_axis!r}])). Received: sequence_axis={sequence_axis!r}, "
-            f"batch axis={batch_axis!r}"
+            f"along one axis and each sequence along another. Pass {choices}"
+            "a mesh with a batch axis and a sequence axis, e.g. "
+            f"kd.DeviceMesh((2, 4), ['batch', {sequence!r}]) with "
+            f"sequence_axis={sequence!r} (DataParallel splits the batch along the "
+            "mesh's first axis: put the batch axis first). Received: "
+            f"sequence_axis={sequence_axis!r}, batch axis={batch_axis!r}"
         )
     backend = keras.backend.backend()
     if backend != "jax":
