@@ -305,16 +305,13 @@ class JaxAdapter(BackendAdapter):
         it mirrors the moment Keras makes it (`each_new_slot`), so the
         optimizer's state is never all whole on one device (Adam's: twice
         the model). A state slot that `offload=` keeps in host memory goes
-        there as it is made, and `optimizer_state_dtype=` is its dtype.
-
-        A plain Keras `fit` (no keras_dist distribution) of a model whose
-        slots an offloaded run left in host memory gets them back on the
-        devices first, where Keras' own step reads them (it cannot mix
-        memory kinds)."""
+        there as it is made, and `optimizer_state_dtype=` is its dtype. A
+        plain `fit` gets slots an offloaded run left in host memory back on
+        the devices first (Keras' own step cannot mix memory kinds)."""
         optimizer = getattr(model, "optimizer", None)
         placement = getattr(distribution, "state_placement", None)
         if distribution is None and name == "fit" and optimizer is not None:
-            _slots_back_on_the_devices(optimizer)
+            internals.to_device_memory(optimizer.variables, offload.HOST_MEMORY)
         if (
             not isinstance(distribution, keras.distribution.ModelParallel)
             and placement is None
@@ -449,9 +446,8 @@ class JaxAdapter(BackendAdapter):
     ) -> dict[str, dict[str, Any]]:
         """Compile keras_dist's `kinds` steps ("train", "test", "predict") of
         `model` under `distribution` on abstract values, `data` being the
-        global `(x, y)` batch as shapes and dtypes. The model's variables need
-        no values. Returns what XLA says of each step (`CompiledStep` fields).
-        """
+        global `(x, y)` batch as shapes and dtypes; the model's variables need
+        no values. Returns what XLA says of each step (`CompiledStep`)."""
         state = compiled_plan.state_structs(model, distribution)
         previous = keras.distribution.distribution()
         keras.distribution.set_distribution(distribution)
@@ -552,20 +548,9 @@ def _check_layout_divides(variable: Any, layout: Any) -> None:
         )
 
 
-def _slots_back_on_the_devices(optimizer: Any) -> None:
-    """Each of `optimizer`'s variables held in host memory (`offload=`) laid
-    out on the devices as it is split, its value unchanged."""
-    for variable in optimizer.variables:
-        layout = getattr(variable, "_layout", None)
-        if getattr(layout, "memory_kind", None) == offload.HOST_MEMORY:
-            internals.relayout_variable(variable, layout.with_memory_kind("device"))
-
-
 def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
-    """Every variable of `model` and its optimizer, with the layout it gets.
-
-    Optimizer slots follow the layout of the variable they mirror.
-    """
+    """Every variable of `model` and its optimizer, with the layout it gets
+    (optimizer slots: the layout of the variable they mirror)."""
     planned: dict[int, tuple[Any, Any]] = {}
     for variable in [*model.variables, *model.metrics_variables]:
         if id(variable) not in planned:

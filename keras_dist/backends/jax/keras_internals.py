@@ -160,6 +160,15 @@ def relayout_variable(variable: Any, layout: Any) -> None:
     variable._direct_assign(variable.value)
 
 
+def to_device_memory(variables: list[Any], memory_kind: str) -> None:
+    """Each of `variables` laid out in `memory_kind` (pinned host memory)
+    laid out in the devices' own memory instead, split as it was."""
+    for variable in variables:
+        layout = variable._layout
+        if getattr(layout, "memory_kind", None) == memory_kind:
+            relayout_variable(variable, layout.with_memory_kind("device"))
+
+
 _original_variable_array = JaxVariable.__array__
 
 
@@ -583,6 +592,7 @@ __all__ = [
     "remove_steps",
     "route_batches",
     "split_variables_at_creation",
+    "to_device_memory",
     "unroute_batches",
     "xla_attention_only",
 ]
