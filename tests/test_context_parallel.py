@@ -438,8 +438,10 @@ def test_a_sequence_axis_must_be_another_axis_of_the_mesh_named_by_a_string(make
     with pytest.raises(ValueError, match="must be an axis of the mesh") as error:
         make(mesh, "sequence")
     assert "Received: sequence_axis='sequence'" in str(error.value)
-    with pytest.raises(ValueError, match="must differ from the batch axis"):
+    assert "one of ['seq']" in str(error.value)  # what it accepts
+    with pytest.raises(ValueError, match="must differ from the batch axis") as error:
         make(mesh, "batch")
+    assert "one of ['seq']" in str(error.value)
     with pytest.raises(TypeError, match="the name of a mesh axis") as error:
         make(mesh, 1)
     assert "Received: sequence_axis=1" in str(error.value)

@@ -97,6 +97,8 @@ def test_the_distributions_say_where_the_state_lives(kind):
 def test_a_wrong_offload_is_refused_listing_the_allowed_ones():
     with pytest.raises(ValueError, match=r"one of \[None, 'optimizer'\].*'params'"):
         kd.DataParallel(offload="params")
+    with pytest.raises(ValueError, match=r"one of \[None, 'optimizer'\].*=True"):
+        kd.FSDP(offload=True)
     with pytest.raises(NotImplementedError, match="offload='optimizer'"):
         kd.FSDP(offload="optimizer+params")
 
