@@ -25,6 +25,10 @@ What importing keras_dist patches (`patch_keras`, called once by
 
 What keras_dist patches later, and only while it is needed:
 
+- during every `fit`, `evaluate` and `predict` on JAX: the model's
+  `_purge_model_variables`, which keeps the values Keras' trainer takes off
+  the variables for its steps, to give them back if the call raises
+  (`model_calls.values_kept`);
 - when a distributed call starts: the model's step functions
   (`steps.install_cached_steps`), each BatchNormalization layer's moments
   (`batch_norm.replace_moments`), with a distribution's `remat=` the
