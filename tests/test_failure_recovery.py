@@ -286,3 +286,27 @@ def test_a_run_left_active_outside_any_call_is_stopped_by_the_next_call(
             _fit(model, [kd.DistributeCallback(distribution)]), fresh["distributed"]
         )
     assert kd.distribution() is None
+
+
+@pytest.mark.backend("jax")
+def test_values_a_failed_step_consumed_are_named_and_the_others_given_back():
+    """Keras' JAX trainer takes the values off the variables for a step; a
+    call that raises gets them back (`values_kept`), and one whose value the
+    failed step consumed (a donated buffer) is named on the error."""
+    from keras_dist.keras_compat.model_calls import values_kept  # noqa: PLC0415
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d")])
+    model.compile(optimizer="sgd", loss="mse")
+    kernel, bias = model.layers[0].kernel, model.layers[0].bias
+    expected = np.asarray(bias)
+    with pytest.raises(Failure) as raised:
+        with values_kept(model):
+            state = [variable.value for variable in model.trainable_variables]
+            model._purge_model_variables(trainable_variables=True)  # as Keras
+            state[0].delete()  # the kernel's value, consumed by the step
+            raise Failure("the step failed")
+    notes = " ".join(getattr(raised.value, "__notes__", []))
+    assert "could not give 1 variables of model" in notes, notes
+    assert repr(kernel.path) in notes and "restore the model" in notes
+    np.testing.assert_array_equal(np.asarray(bias), expected)
+    assert "_purge_model_variables" not in vars(model)  # Keras' own again
