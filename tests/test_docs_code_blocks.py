@@ -109,7 +109,9 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.path.relative_to(REPO)}:{self.line}"
+        path = self.path
+        shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+        return f"{shown}:{self.line}"
 
 
 # A page's pymdownx snippet line, `--8<-- "path"` (`path:START`, `path:START:END`
@@ -241,12 +243,12 @@ def _block_end(block: Block) -> int:
     return block.line + block.code.count("\n") + 1
 
 
-def _outputs() -> tuple[dict[str, Block], list[str]]:
+def _outputs(documents: list[pathlib.Path]) -> tuple[dict[str, Block], list[str]]:
     """{Python block name: the ```text block marked `output` that shows what
     it prints}, and what is wrong with the output markers."""
     outputs: dict[str, Block] = {}
     problems = []
-    for path in _documents():
+    for path in documents:
         lines = path.read_text().splitlines()
         above = None
         for block in _blocks(path):
@@ -282,7 +284,7 @@ def _outputs() -> tuple[dict[str, Block], list[str]]:
     return outputs, problems
 
 
-OUTPUTS, OUTPUT_MARKER_PROBLEMS = _outputs()
+OUTPUTS, OUTPUT_MARKER_PROBLEMS = _outputs(_documents())
 
 
 def _output_lines(text: str, varies: list[str]) -> list[str]:
@@ -297,10 +299,13 @@ def _output_lines(text: str, varies: list[str]) -> list[str]:
     return lines
 
 
-def output_problems(block: Block, printed: str) -> list[str]:
+def output_problems(
+    block: Block, printed: str, outputs: dict[str, Block] | None = None
+) -> list[str]:
     """What differs between what `block` printed and what its page shows it
-    printing (its `output` block), as a diff; [] if it shows nothing."""
-    shown = OUTPUTS.get(block.name)
+    printing (its `output` block in `outputs`, the docs' by default), as a
+    diff; [] if it shows nothing."""
+    shown = (OUTPUTS if outputs is None else outputs).get(block.name)
     if shown is None:
         return []
     varies = _varies(shown)
@@ -368,6 +373,45 @@ def test_docs_have_python_blocks_and_every_marker_is_well_formed():
             "stand between them)"
         )
     assert problems == []
+
+
+@pytest.mark.backend_neutral
+def test_a_page_output_is_compared_whole_with_host_figures_masked(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nprint('peak 20.04 MiB, step 0.129 ms, compile  9.1 s │')\n```\n"
+        "\n<!-- output: compile times vary -->\n```text\n"
+        "peak 20.04 MiB, step 0.129 ms, compile 40.3 s │   \n```\n"
+        "\n```python\nprint('x')\n```\n\n```text\nx\n```\n"
+        "\n```python\nprint(1)\n```\n<!-- output: colours vary -->\n"
+        "```text\n1\n```\n"
+    )
+    outputs, problems = _outputs([page])
+    shown, unmarked, colours = _blocks(page)[::2]
+    assert list(outputs) == [shown.name]
+    assert problems == [
+        f"page.md:14: a text block right after {unmarked.name} without `<!-- "
+        "output -->`: mark it, so that the test of the block compares it with "
+        "what the block prints",
+        f"page.md:22: `output` names ['colours']; known: {list(OUTPUT_VARIES)}",
+    ]
+    # The compile time is masked; every other figure is compared as printed.
+    assert (
+        output_problems(
+            shown, "peak 20.04 MiB, step 0.129 ms, compile 7.8 s │\n", outputs
+        )
+        == []
+    )
+    (problem,) = output_problems(
+        shown, "peak 20.04 MiB, step 0.1290 ms, compile 7.8 s │\n", outputs
+    )
+    assert problem.startswith(
+        f"page.md:6 shows what {shown.name} prints, but it prints otherwise "
+        "(compile times masked); update the page (or the code):"
+    )
+    assert "-peak 20.04 MiB, step 0.129 ms" in problem
+    assert "+peak 20.04 MiB, step 0.1290 ms" in problem
+    assert output_problems(unmarked, "anything", outputs) == []
 
 
 def _commands(block: Block) -> list[str]:
