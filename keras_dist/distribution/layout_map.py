@@ -53,8 +53,8 @@ class LayoutMap(keras.distribution.LayoutMap):
     def __getitem__(self, key: str) -> Any:
         if not isinstance(key, str):
             raise TypeError(f"LayoutMap keys are path strings. Received: key={key!r}")
-        if key in self._layout_map:  # a key itself (keras_dist's own keys are
-            return self._layout_map[key]  # anchored: no variable path is one)
+        if key in self._layout_map:  # a key itself, as the planner asks
+            return self._layout_map[key]
         return self.layout_at(self.lookup_path(key))
 
     def layout_at(self, path: str) -> Any:
