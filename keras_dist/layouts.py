@@ -5,7 +5,11 @@ variable of its Dense, EinsumDense, MultiHeadAttention, Embedding and Conv
 layers; `for_keras_hub(backbone, mesh)` wraps a KerasHub backbone's own
 `get_layout_map` and repairs the layouts its variables' shapes cannot take.
 Both return a `PresetLayoutMap`, a keras_dist `LayoutMap` that also lists the
-variables it left replicated, and why.
+variables it left replicated, and why. Its keys name each variable by its path
+in the model's own numbering of the layers Keras names automatically (the
+model's first Dense `dense`, the next `dense_1`, whatever the process built
+before), so that the map lays out every build of the same architecture: a
+keras_dist distribution looks the paths of the model it trains up that way.
 
 On PyTorch (DTensor, torch 2.13, measured on CPU) some splits cannot run; the
 backend adapter names them (`unsupported_split`) and the presets replicate
@@ -38,14 +42,22 @@ _CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 class PresetLayoutMap(LayoutMap):
     """A `LayoutMap` made by `tensor_parallel` or `for_keras_hub`.
 
-    Looks up like any keras_dist `LayoutMap`, and records the variables the
+    Its keys name variable paths in the model's own numbering of its
+    automatically named layers: `^sequential/dense_1/kernel$` is the kernel
+    of the model's second Dense whether this build calls it `dense_1` or
+    `dense_6` (Keras counts every Dense the process made). Lookups take the
+    paths of the model the map is bound to (`bind`: the model it was made
+    from, then each model a keras_dist distribution holding it trains or
+    plans), so the map lays out every build of the same architecture alike.
+    It also records the variables the
     preset meant to split but left replicated (or, for KerasHub, split along
     fewer dimensions) because a mesh axis does not divide the dimension or
     the active backend cannot run the split.
 
     Attributes:
         replicated: `{variable path: reason}` for each such variable, in the
-            order the model lists them.
+            order the model lists them (paths in the model's own numbering,
+            as the keys).
         swapped: `{variable path: reason}` for each variable whose KerasHub
             layout has the model and data axes the wrong way round
             (keras-hub#2827) and that `for_keras_hub` lays out with them
@@ -63,6 +75,8 @@ class PresetLayoutMap(LayoutMap):
     >>> layout_map.replicated["net/head/kernel"]
     "dimension 1 of shape (4, 3) is 3, which the 'model' axis of size 2 does not divide"
     """
+
+    keys_name_fresh_paths = True
 
     def __init__(self, device_mesh: Any = None):
         super().__init__(device_mesh)
@@ -213,7 +227,8 @@ class _TensorParallel:
         replicated)."""
         if variable is None:
             return
-        key = _anchored(variable.path)
+        path = self.layout_map.lookup_path(variable.path)
+        key = _anchored(path)
         # Not `key in self.layout_map`: a Mapping's `in` is a lookup, which
         # searches the keys as regular expressions.
         if key in list(self.layout_map):
@@ -222,7 +237,7 @@ class _TensorParallel:
         axes: list[str | None] = [None] * len(shape)
         if dim is not None:
             if shape[dim] % self.size:
-                self.layout_map.replicated[variable.path] = (
+                self.layout_map.replicated[path] = (
                     f"dimension {dim} of shape {shape} is {shape[dim]}, which the "
                     f"{self.axis!r} axis of size {self.size} does not divide"
                 )
@@ -230,7 +245,7 @@ class _TensorParallel:
                 axes[dim] = self.axis
                 refusal = get_adapter().unsupported_split(layer, variable, tuple(axes))
                 if refusal is not None:
-                    self.layout_map.replicated[variable.path] = refusal
+                    self.layout_map.replicated[path] = refusal
                     axes[dim] = None
         self.layout_map[key] = tuple(axes)
 
@@ -241,7 +256,9 @@ def tensor_parallel(
     """A Megatron-style tensor-parallel `LayoutMap` for a built Keras model.
 
     The model's layers are read in order, nested models and layers included,
-    and each variable below gets its own key, `^<variable path>$`:
+    and each variable below gets its own key, `^<variable path>$`, the path
+    in the model's own numbering of its automatically named layers (see
+    `PresetLayoutMap`: the same keys for every build of the model):
 
     - Dense and EinsumDense layers alternate a column split (kernel
       `(None, model_axis)`, bias `(model_axis,)`) and a row split (kernel
@@ -300,6 +317,7 @@ def tensor_parallel(
     _check_mesh(mesh)
     size = _axis_size(mesh, model_axis, "model_axis")
     walker = _TensorParallel(mesh, model_axis, size)
+    walker.layout_map.bind(model)
     walker.walk(model)
     return walker.layout_map
 
@@ -413,7 +431,8 @@ def for_keras_hub(
         )
         return tensor_parallel(backbone, mesh, model_axis=model_axis)
     layout_map = PresetLayoutMap(mesh)
-    paths = [variable.path for variable in backbone.weights]
+    layout_map.bind(backbone)
+    paths = [layout_map.lookup_path(variable.path) for variable in backbone.weights]
     for key in hub_map:
         if not any(re.fullmatch(key, path) for path in paths):
             continue  # a layer this configuration lacks: the key does nothing
@@ -424,8 +443,8 @@ def for_keras_hub(
     width = model_width(backbone, [(v.path, tuple(v.shape)) for v in backbone.weights])
     intended: dict[str, tuple] = {}
     for variable in backbone.weights:
-        path, shape = variable.path, tuple(variable.shape)
-        layout = hub_map[path]
+        path, shape = layout_map.lookup_path(variable.path), tuple(variable.shape)
+        layout = hub_map[variable.path]
         axes = (None,) * len(shape) if layout is None else tuple(layout.axes)
         swapped = swapped_dimensions(shape, axes, width, data_axis)
         fixed = axes if swapped is None else swap(axes, *swapped)
@@ -472,7 +491,7 @@ def _pin_ambiguous(layout_map: PresetLayoutMap, intended: dict[str, tuple]) -> N
             if path in list(layout_map):
                 continue
             try:
-                found = layout_map[path]
+                found = layout_map.layout_at(path)
             except ValueError:
                 found = None
             else:

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import os
+import pathlib
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -21,10 +25,12 @@ from keras_dist.backends import get_adapter
 from keras_dist.common import accelerators
 from keras_dist.planner.compiled import UntrainableModelError
 from keras_dist.planner.topology import parse_topology
+from tests.test_docs_code_blocks import OUTPUTS, PYTHON_BLOCKS, output_problems
 from tests.workers import plan_models
 
 BACKEND = keras.backend.backend()
 jax_only = pytest.mark.backend("jax")
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _has_libtpu() -> bool:
@@ -846,22 +852,39 @@ def test_multi_slice_plan_warns_when_a_sequence_axis_spans_slices():
     assert result.compiled.slice_axis == "seq"
 
 
+LIBTPU_BLOCKS = [
+    block for block in PYTHON_BLOCKS if block.markers.get("needs") == "libtpu"
+]
+
+
 @jax_only
 @needs_libtpu
-def test_the_tpu_pods_page_plans_its_slice_as_the_page_shows():
-    """docs/tpu-pods.md's "Plan the slice first" block, run as written for
-    v5e-16: the verdict line and each step's peak are the page's."""
-    import pathlib  # noqa: PLC0415
-    import re  # noqa: PLC0415
-
-    page = (pathlib.Path(__file__).parents[1] / "docs" / "tpu-pods.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
-    (code,) = [block for block in blocks if 'topology="v5e-16"' in block]
-    shown = re.search(r"Its output .*?```text\n(.*?)```", page, re.S)[1]
-    namespace: dict = {}
-    exec(compile(code.replace("print(result)", ""), "tpu-pods.md", "exec"), namespace)  # noqa: S102
-    said = str(namespace["result"])
-    assert said.splitlines()[0] == shown.splitlines()[0]
-    peak = r"│\s+(train|test|predict) │\s+([\d.]+ [KMG]iB) │"
-    assert dict(re.findall(peak, said)) == dict(re.findall(peak, shown))
-    assert len(re.findall(peak, shown)) == 3
+@pytest.mark.parametrize("block", LIBTPU_BLOCKS, ids=lambda block: block.name)
+def test_docs_blocks_needing_libtpu_print_what_their_page_shows(block, tmp_path):
+    """Each docs block marked `<!-- needs: libtpu -->` (it compiles for a TPU
+    topology) runs as written, as a script of its own (a fresh process names
+    its layers as the page shows), and prints what its page shows
+    (tests/test_docs_code_blocks.py: compile times masked where it says so)."""
+    script = tmp_path / "block.py"
+    script.write_text(block.code)
+    environment = dict(
+        os.environ,
+        TPU_SKIP_MDS_QUERY="1",
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+        ),
+    )
+    environment.pop("KERAS_DIST_CPU_DEVICES", None)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=environment,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert block.name in OUTPUTS, f"{block.name} has no output block on its page"
+    problems = output_problems(block, result.stdout)
+    assert problems == [], "\n".join(problems)

@@ -27,6 +27,23 @@ allowed; they do not show on the rendered page) say how to run it:
 - `<!-- run-with: snippets/data_and_model.py -->`: run that file (a path
   relative to `docs/`) first, in the same script. It defines what the block
   takes as given (`x`, `y`, `build_model()`), small enough for seconds on CPU.
+- `<!-- needs: libtpu -->`: the block compiles for a TPU topology, which needs
+  `libtpu` (no TPU): it runs only in tests/run_tpu_topology.sh's environment
+  (`test_compiled_plan.py::test_docs_blocks_needing_libtpu_print_what_their_page_shows`),
+  and is skipped elsewhere, saying so.
+
+What a page shows a block printing is compared with what it prints: a
+```text block marked `<!-- output -->` shows the whole standard output of
+the closest Python block above it on the same page, and the test of that
+block compares the two, line by line, trailing spaces and blank lines aside.
+Numbers are compared as printed: at the precision the code prints them, digit
+for digit (the page shows what the code prints, never a rounding of it).
+Figures that depend on the host, not on the code (timings, compile times),
+cannot be compared: the marker names them, `<!-- output: timings vary -->`
+or `<!-- output: compile times vary -->` (`OUTPUT_VARIES`), and they are
+masked on both sides, the rest of the text compared. XLA's compiled figures
+(peak bytes, flops, collectives, the projections made from them) are the
+same from run to run for the same JAX and libtpu, and are compared.
 
 A marker that is not followed by a Python or shell block, or that names an
 unknown backend or a missing file, fails the collection test. A block repeated
@@ -52,6 +69,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import importlib.util
 import os
 import pathlib
@@ -74,7 +92,7 @@ BLOCK_TIMEOUT_S = 240  # a block takes seconds; the margin is for a busy machine
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^\s`]*)")
 MARKER = re.compile(
-    r"^\s*<!--\s*(?P<key>not-run|backends|run-with|[a-z][a-z-]*-command)\b:?"
+    r"^\s*<!--\s*(?P<key>not-run|backends|run-with|needs|output|[a-z][a-z-]*-command)\b:?"
     r"(?P<value>.*?)-->\s*$"
 )
 SHELL_LANGUAGES = ("bash", "sh", "shell", "console")
@@ -91,7 +109,9 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.path.relative_to(REPO)}:{self.line}"
+        path = self.path
+        shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+        return f"{shown}:{self.line}"
 
 
 # A page's pymdownx snippet line, `--8<-- "path"` (`path:START`, `path:START:END`
@@ -191,6 +211,116 @@ SHELL_BLOCKS = [
 ]
 
 
+# Figures that depend on the host, not on the code (`<!-- output: NAME vary -->`,
+# names joined by " and "): masked on both sides before the comparison.
+OUTPUT_VARIES = {
+    # The compile column of a compiled plan's table: right-aligned under its
+    # header ("compile"), wider than any time below 1,000 s, so the table's
+    # layout does not move with it.
+    "compile times": (re.compile(r"\s+\d+(?:\.\d+)? s(?= │)"), " <seconds> s"),
+    # Every number (the words around them are compared).
+    "timings": (re.compile(r"\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"), "<number>"),
+}
+
+
+def _varies(output: Block) -> list[str]:
+    value = output.markers["output"]
+    if not value:
+        return []
+    if not value.endswith(" vary"):
+        raise ValueError(f"{output.name}: `output: {value}` must end with ' vary'")
+    names = value[: -len(" vary")].split(" and ")
+    unknown = [name for name in names if name not in OUTPUT_VARIES]
+    if unknown:
+        raise ValueError(
+            f"{output.name}: `output` names {unknown}; known: {list(OUTPUT_VARIES)}"
+        )
+    return names
+
+
+def _block_end(block: Block) -> int:
+    """The 1-based line of `block`'s closing fence."""
+    return block.line + block.code.count("\n") + 1
+
+
+def _outputs(documents: list[pathlib.Path]) -> tuple[dict[str, Block], list[str]]:
+    """{Python block name: the ```text block marked `output` that shows what
+    it prints}, and what is wrong with the output markers."""
+    outputs: dict[str, Block] = {}
+    problems = []
+    for path in documents:
+        lines = path.read_text().splitlines()
+        above = None
+        for block in _blocks(path):
+            if block.language in ("python", "py"):
+                above = block
+                continue
+            right_after = above is not None and all(
+                not line.strip() or MARKER.match(line)
+                for line in lines[_block_end(above) : block.line - 1]
+            )
+            if "output" not in block.markers:
+                if right_after and block.language == "text":
+                    problems.append(
+                        f"{block.name}: a text block right after {above.name} "
+                        "without `<!-- output -->`: mark it, so that the test "
+                        "of the block compares it with what the block prints"
+                    )
+                continue
+            if block.language != "text" or above is None:
+                problems.append(
+                    f"{block.name}: `output` marks a ```text block below a "
+                    "Python block of the same page"
+                )
+            elif above.name in outputs:
+                problems.append(f"{block.name}: {above.name} has two outputs")
+            else:
+                try:
+                    _varies(block)
+                except ValueError as error:
+                    problems.append(str(error))
+                else:
+                    outputs[above.name] = block
+    return outputs, problems
+
+
+OUTPUTS, OUTPUT_MARKER_PROBLEMS = _outputs(_documents())
+
+
+def _output_lines(text: str, varies: list[str]) -> list[str]:
+    for name in varies:
+        pattern, replacement = OUTPUT_VARIES[name]
+        text = pattern.sub(replacement, text)
+    lines = [line.rstrip() for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    while lines and not lines[0]:
+        lines.pop(0)
+    return lines
+
+
+def output_problems(
+    block: Block, printed: str, outputs: dict[str, Block] | None = None
+) -> list[str]:
+    """What differs between what `block` printed and what its page shows it
+    printing (its `output` block in `outputs`, the docs' by default), as a
+    diff; [] if it shows nothing."""
+    shown = (OUTPUTS if outputs is None else outputs).get(block.name)
+    if shown is None:
+        return []
+    varies = _varies(shown)
+    page = _output_lines(shown.code, varies)
+    run = _output_lines(printed, varies)
+    if page == run:
+        return []
+    masked = f" ({' and '.join(varies)} masked)" if varies else ""
+    diff = difflib.unified_diff(page, run, shown.name, "printed now", lineterm="")
+    return [
+        f"{shown.name} shows what {block.name} prints, but it prints otherwise"
+        f"{masked}; update the page (or the code):\n" + "\n".join(diff)
+    ]
+
+
 def test_docs_have_python_blocks_and_every_marker_is_well_formed():
     assert any(block.path == REPO / "README.md" for block in PYTHON_BLOCKS)
     assert len(PYTHON_BLOCKS) >= 10, [block.name for block in PYTHON_BLOCKS]
@@ -208,6 +338,12 @@ def test_docs_have_python_blocks_and_every_marker_is_well_formed():
                     f"{block.name}: `backends` must name some of {BACKENDS}. "
                     f"Received: {markers['backends']!r}"
                 )
+        if "needs" in markers and markers["needs"] != "libtpu":
+            problems.append(
+                f"{block.name}: `needs` takes `libtpu`. Received: {markers['needs']!r}"
+            )
+        if "output" in markers:
+            problems.append(f"{block.name}: `output` marks the ```text block after")
         if "run-with" in markers and not (DOCS / markers["run-with"]).is_file():
             problems.append(
                 f"{block.name}: `run-with` file docs/{markers['run-with']} "
@@ -217,8 +353,13 @@ def test_docs_have_python_blocks_and_every_marker_is_well_formed():
         for key in block.markers:
             if key.endswith("-command"):
                 problems.append(f"{block.name}: `{key}` marks a shell block")
-    # Every marker in the docs belongs to the Python or shell block right after it.
-    attached = sum(len(block.markers) for block in PYTHON_BLOCKS + SHELL_BLOCKS)
+    problems += OUTPUT_MARKER_PROBLEMS
+    # Every marker in the docs belongs to the Python, shell or output block
+    # right after it.
+    attached = sum(
+        len(block.markers)
+        for block in PYTHON_BLOCKS + SHELL_BLOCKS + list(OUTPUTS.values())
+    )
     written = sum(
         1
         for path in _documents()
@@ -227,11 +368,50 @@ def test_docs_have_python_blocks_and_every_marker_is_well_formed():
     )
     if written != attached:
         problems.append(
-            f"{written - attached} marker(s) are not right before a Python or "
-            "shell block (only blank lines and other markers may stand between "
-            "them)"
+            f"{written - attached} marker(s) are not right before a Python, "
+            "shell or output block (only blank lines and other markers may "
+            "stand between them)"
         )
     assert problems == []
+
+
+@pytest.mark.backend_neutral
+def test_a_page_output_is_compared_whole_with_host_figures_masked(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nprint('peak 20.04 MiB, step 0.129 ms, compile  9.1 s │')\n```\n"
+        "\n<!-- output: compile times vary -->\n```text\n"
+        "peak 20.04 MiB, step 0.129 ms, compile 40.3 s │   \n```\n"
+        "\n```python\nprint('x')\n```\n\n```text\nx\n```\n"
+        "\n```python\nprint(1)\n```\n<!-- output: colours vary -->\n"
+        "```text\n1\n```\n"
+    )
+    outputs, problems = _outputs([page])
+    shown, unmarked, colours = _blocks(page)[::2]
+    assert list(outputs) == [shown.name]
+    assert problems == [
+        f"page.md:14: a text block right after {unmarked.name} without `<!-- "
+        "output -->`: mark it, so that the test of the block compares it with "
+        "what the block prints",
+        f"page.md:22: `output` names ['colours']; known: {list(OUTPUT_VARIES)}",
+    ]
+    # The compile time is masked; every other figure is compared as printed.
+    assert (
+        output_problems(
+            shown, "peak 20.04 MiB, step 0.129 ms, compile 7.8 s │\n", outputs
+        )
+        == []
+    )
+    (problem,) = output_problems(
+        shown, "peak 20.04 MiB, step 0.1290 ms, compile 7.8 s │\n", outputs
+    )
+    assert problem.startswith(
+        f"page.md:6 shows what {shown.name} prints, but it prints otherwise "
+        "(compile times masked); update the page (or the code):"
+    )
+    assert "-peak 20.04 MiB, step 0.129 ms" in problem
+    assert "+peak 20.04 MiB, step 0.1290 ms" in problem
+    assert output_problems(unmarked, "anything", outputs) == []
 
 
 def _commands(block: Block) -> list[str]:
@@ -536,11 +716,11 @@ def _run_block(
 
 
 def _blocks_to_run() -> list[Block]:
-    """The blocks without `not-run`; a block repeated word for word (the
-    README's example is also the home page's) runs once."""
+    """The blocks without `not-run` or `needs`; a block repeated word for
+    word (the README's example is also the home page's) runs once."""
     unique: dict[tuple, Block] = {}
     for block in PYTHON_BLOCKS:
-        if "not-run" not in block.markers:
+        if "not-run" not in block.markers and "needs" not in block.markers:
             key = (
                 block.code,
                 block.markers.get("run-with"),
@@ -572,6 +752,8 @@ def test_docs_code_block_runs(block: Block, tmp_path: pathlib.Path, script_serve
         f"--- stdout (tail) ---\n{result.stdout[-3000:]}\n"
         f"--- stderr (tail) ---\n{result.stderr[-6000:]}"
     )
+    problems = output_problems(block, result.stdout)
+    assert problems == [], "\n".join(problems)
 
 
 def _public_names() -> list[str]:

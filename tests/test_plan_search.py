@@ -514,6 +514,69 @@ def test_the_best_distribution_trains_a_real_model_on_cpu8():
     assert "model" in str(kernel.sharding.spec)
 
 
+def auto_named():
+    """A compiled model of layers Keras names itself (`embedding`, `dense`,
+    `dense_1`...: each build in a process numbers them further)."""
+    model = keras.Sequential(
+        [
+            keras.Input((8,), dtype="int32"),
+            keras.layers.Embedding(64, 32),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(64),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(64),
+            keras.layers.Dense(8),
+        ]
+    )
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+@jax_only
+def test_the_searched_layouts_lay_out_the_model_built_again():
+    results = kd.plan_search(
+        auto_named, topology="cpu:8", batch_size=32, candidates=[FSDP_TP]
+    )
+    distribution = results.best.distribution
+    keys = list(distribution.layout_map)
+    # Named as the model numbers its layers, whatever the process built before.
+    assert keys[:2] == [
+        "^sequential/embedding/embeddings$",
+        "^sequential/dense/kernel$",
+    ]
+    assert "^sequential/dense_4/kernel$" in keys
+    auto_named()  # another build in between: the next one's names differ more
+    model = auto_named()
+    assert model.layers[2].kernel.path != "sequential/dense/kernel"
+    x = np.random.randint(0, 64, (64, 8))
+    y = np.random.randint(0, 8, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(
+            x,
+            y,
+            batch_size=32,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(distribution)],
+        )
+    assert [str(w.message) for w in caught if "LayoutMap key" in str(w.message)] == []
+    dense = [layer for layer in model.layers if isinstance(layer, keras.layers.Dense)]
+    split = [
+        layer.name
+        for layer in dense
+        if "model" in str(layer.kernel.value.sharding.spec)
+    ]
+    assert len(split) == 5, [str(layer.kernel.value.sharding.spec) for layer in dense]
+    plan = kd.plan(model, distribution, batch_size=32)
+    assert [p for p in plan.problems if p.kind == "unmatched-key"] == []
+    rows = {row.path: row for row in plan.rows}
+    assert rows[model.layers[0].embeddings.path].key == keys[0]
+
+
 # -- failures ---------------------------------------------------------------------
 @jax_only
 def test_a_failing_candidate_is_recorded_not_raised():

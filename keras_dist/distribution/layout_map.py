@@ -10,6 +10,7 @@ from typing import Any
 import keras
 
 from keras_dist.distribution.mesh import TensorLayout
+from keras_dist.keras_compat.layers import fresh_names, fresh_path
 
 
 class LayoutMap(keras.distribution.LayoutMap):
@@ -31,7 +32,14 @@ class LayoutMap(keras.distribution.LayoutMap):
     (None, 'model')
     """
 
+    # True where the keys name paths in the model's own numbering of its
+    # automatically named layers (`keras_compat.layers.fresh_names`), as the
+    # maps of `keras_dist.layouts` do: such a map is looked up with the paths
+    # of the model it is `bind`-ed to, renamed so.
+    keys_name_fresh_paths = False
+
     def __init__(self, device_mesh: Any = None):
+        self._names: dict[str, str] = {}
         if device_mesh is not None and not isinstance(
             device_mesh, keras.distribution.DeviceMesh
         ):
@@ -45,12 +53,20 @@ class LayoutMap(keras.distribution.LayoutMap):
     def __getitem__(self, key: str) -> Any:
         if not isinstance(key, str):
             raise TypeError(f"LayoutMap keys are path strings. Received: key={key!r}")
-        if key in self._layout_map:
+        if key in self._layout_map:  # a key itself, as the planner asks
             return self._layout_map[key]
-        matches = [pattern for pattern in self._layout_map if re.search(pattern, key)]
+        return self.layout_at(self.lookup_path(key))
+
+    def layout_at(self, path: str) -> Any:
+        """The layout for `path` as the keys name paths (for a map bound to
+        a model, `lookup_path` of its path): the exact key, else the one key
+        that matches; None if none does."""
+        if path in self._layout_map:
+            return self._layout_map[path]
+        matches = [pattern for pattern in self._layout_map if re.search(pattern, path)]
         if len(matches) > 1:
             raise ValueError(
-                f"Path {key!r} matches more than one LayoutMap key: {matches}. "
+                f"Path {path!r} matches more than one LayoutMap key: {matches}. "
                 "Make the keys specific enough that each path matches one."
             )
         return self._layout_map[matches[0]] if matches else None
@@ -96,6 +112,29 @@ class LayoutMap(keras.distribution.LayoutMap):
     @property
     def device_mesh(self) -> Any:
         return self._device_mesh
+
+    def bind(self, model: Any) -> None:
+        """Look up `model`'s variable paths from now on. Does nothing unless
+        `keys_name_fresh_paths`: then a path of `model` is looked up with its
+        automatically numbered layer names (`dense_5`, which depend on what
+        the process built before) replaced by the model's own numbering
+        (`dense`, the model's first Dense), so that the map lays out every
+        build of the same architecture alike."""
+        if self.keys_name_fresh_paths:
+            self._names = fresh_names(model)
+
+    def lookup_path(self, path: str) -> str:
+        """The path the keys are matched against for `path`, a path of the
+        model the map is bound to (`bind`)."""
+        return fresh_path(path, self._names) if self._names else path
+
+
+def bind_layout_map(distribution: Any, model: Any) -> None:
+    """Bind `distribution`'s keras_dist `LayoutMap`, if it has one, to
+    `model` (`LayoutMap.bind`); Keras' own maps keep their lookup."""
+    layout_map = getattr(distribution, "layout_map", None)
+    if isinstance(layout_map, LayoutMap):
+        layout_map.bind(model)
 
 
 # -- LoRA factors laid out with their base kernel ------------------------------

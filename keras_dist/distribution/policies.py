@@ -12,7 +12,7 @@ import numpy as np
 
 from keras_dist.backends import get_adapter
 from keras_dist.common import job
-from keras_dist.distribution.layout_map import lora_axes, lora_base_path
+from keras_dist.distribution.layout_map import LayoutMap, lora_axes, lora_base_path
 from keras_dist.distribution.mesh import (
     TensorLayout,
     check_mesh,
@@ -445,6 +445,8 @@ class ModelParallel(Distribution, keras.distribution.ModelParallel):
         """The `layout_map` keys that match none of `paths` (variable paths,
         and `"<layer path>/output"` for layer outputs): a typo or a key for
         another model, which would silently leave everything replicated."""
+        if isinstance(self._layout_map, LayoutMap):
+            paths = [self._layout_map.lookup_path(path) for path in paths]
         return [
             key
             for key in self._layout_map

@@ -1,16 +1,50 @@
-"""Keras' layer tree: nested layers, a functional graph's calls."""
+"""Keras' layer tree: nested layers, a functional graph's calls, the names
+Keras numbers automatically."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 import keras
+from keras.src.utils.naming import to_snake_case
 
 
 def layers_of(model: Any) -> list[Any]:
     """`model` and every layer in it, nested ones included."""
     return list(model._flatten_layers(include_self=True, recursive=True))
+
+
+def fresh_names(model: Any) -> dict[str, str]:
+    """The names a fresh build of `model` gives its automatically named layers.
+
+    Keras names a layer without a name `<class in snake case>`, then `_1`,
+    `_2`... counting every such layer the process made before (`dense_5` in
+    the second build of a model with five Dense layers). Returns `{name:
+    fresh name}` for `model` and each layer in it whose name has that form,
+    counted from `model` in the order it tracks its layers (the first Dense
+    `dense`, the next `dense_1`), so that a path with each name replaced is
+    the same for every build of the same architecture in any process.
+    """
+    counts: dict[str, int] = {}
+    names: dict[str, str] = {}
+    for layer in layers_of(model):
+        base = to_snake_case(type(layer).__name__)
+        if layer.name in names or not re.fullmatch(
+            rf"{re.escape(base)}(?:_\d+)?", layer.name
+        ):
+            continue
+        count = counts.get(base, 0)
+        counts[base] = count + 1
+        names[layer.name] = base if count == 0 else f"{base}_{count}"
+    return names
+
+
+def fresh_path(path: str, names: dict[str, str]) -> str:
+    """`path` with each automatically numbered name in `names` (`fresh_names`)
+    replaced by its fresh build's."""
+    return "/".join(names.get(part, part) for part in path.split("/"))
 
 
 def own_variables(layer: Any) -> list[Any]:
@@ -144,10 +178,16 @@ def xla_attention(layer: Any) -> Callable[[], None] | None:
 
 
 def check() -> list[str]:
-    """What `layers_of`, `own_variables`, `seed_generators`, `sublayers`,
-    `graph_calls`, `grouped_attention_projections`, `attention_projections`,
-    `flash_attention_choice` and `xla_attention` need."""
+    """What `layers_of`, `fresh_names`, `own_variables`, `seed_generators`,
+    `sublayers`, `graph_calls`, `grouped_attention_projections`,
+    `attention_projections`, `flash_attention_choice` and `xla_attention`
+    need."""
     missing = []
+    named = [keras.layers.MultiHeadAttention(2, 2).name for _ in range(2)]
+    if to_snake_case("MultiHeadAttention") != "multi_head_attention" or not all(
+        re.fullmatch(r"multi_head_attention(?:_\d+)?", name) for name in named
+    ):
+        missing.append("keras.src.utils.naming: `<snake_case class>_<n>` names")
     model = keras.Sequential([keras.layers.BatchNormalization()])
     if not hasattr(model, "_flatten_layers"):
         missing.append("Layer._flatten_layers")

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 
 from keras_dist.backends import get_adapter
+from keras_dist.distribution.layout_map import LayoutMap, bind_layout_map
 from keras_dist.distribution.swapped_axes import model_width, swapped_dimensions
 from keras_dist.keras_compat.distribution import KerasDistribution
 from keras_dist.keras_compat.optimizers import is_state_slot
@@ -332,6 +333,14 @@ class _Planner:
         if self.layout_map is None:
             self.layout_map = getattr(distribution, "_layout_map", None)
         self.keys = list(self.layout_map) if self.layout_map is not None else []
+        # A preset map (keras_dist.layouts) looks `model`'s paths up in the
+        # model's own numbering of its automatically named layers.
+        bind_layout_map(distribution, model)
+        self.lookup_path = (
+            self.layout_map.lookup_path
+            if isinstance(self.layout_map, LayoutMap)
+            else lambda path: path
+        )
         self.problems: list[Problem] = []
         self.indivisible: list[str] = []
 
@@ -423,6 +432,7 @@ class _Planner:
 
     # -- one variable ------------------------------------------------------------
     def _matching_keys(self, path: str) -> list[str]:
+        path = self.lookup_path(path)
         if path in self.keys:
             return [path]
         return [key for key in self.keys if re.search(key, path)]
@@ -521,6 +531,7 @@ class _Planner:
     # -- the whole map -----------------------------------------------------------
     def _check_keys(self, rows: list[VariableRow]) -> None:
         paths = [row.path for row in rows] + output_paths(self.model)
+        paths = [self.lookup_path(path) for path in paths]
         for key in self.keys:
             matched = [p for p in paths if key == p or re.search(key, p)]
             if not matched:

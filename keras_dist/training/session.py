@@ -13,6 +13,7 @@ import keras
 from keras_dist import keras_compat
 from keras_dist.backends import get_adapter
 from keras_dist.distribution.layer_settings import apply_layer_settings
+from keras_dist.distribution.layout_map import LayoutMap, bind_layout_map
 from keras_dist.distribution.policies import Distribution, ModelParallel
 from keras_dist.distribution.sequence import check_model
 from keras_dist.faults import heartbeat
@@ -83,6 +84,8 @@ class DistributedRun:
         # never called `kd.initialize()` must neither train alone nor write.
         call = _calls_in_progress[-1] if _calls_in_progress else None
         require_joined(f"`{call.name}`" if call else "this call")
+        # Before anything changes: a layout map for another model fails here.
+        _check_layout_keys(self.model, self.distribution)
         # One writer: process 0 writes every file (`keras_dist.saving`), for
         # a job whose processes did not join through `keras_dist.initialize()`.
         saving.install()
@@ -102,7 +105,6 @@ class DistributedRun:
             raise
         _active_runs[key] = self
         self.active = True
-        _warn_unmatched_layout_keys(self.model, self.distribution)
         try:
             self._undo.append(
                 apply_layer_settings(
@@ -163,25 +165,52 @@ class DistributedRun:
 _warned_keys: set[tuple[int, str]] = set()
 
 
-def _warn_unmatched_layout_keys(model: Any, distribution: Any) -> None:
-    """Warn once (process 0) for each LayoutMap key that matches no variable
-    and no layer output of the built `model`: it silently does nothing."""
-    if (
-        not isinstance(distribution, ModelParallel)
-        or not model.variables
-        or get_adapter().process_id() != 0
-    ):
+def _check_layout_keys(model: Any, distribution: Any) -> None:
+    """Bind a keras_dist LayoutMap to `model` (`LayoutMap.bind`), then check
+    its keys against the built model's variables and layer outputs.
+
+    A map none of whose keys matches anything was written for another model
+    (or each key has a typo): the run would lay out nothing and train as
+    data parallel, so it is a `ValueError`, on every process. A key that
+    matches nothing while others match is named in a warning, once, on
+    process 0: maps written for a family of models (KerasHub's) carry keys
+    for layers some configurations lack."""
+    if not isinstance(distribution, ModelParallel):
+        return
+    bind_layout_map(distribution, model)
+    keys = list(distribution.layout_map)
+    if not keys or not model.variables:
         return
     paths = [variable.path for variable in model.variables]
     paths += [f"{layer.path}/output" for layer in layers_of(model) if layer.path]
-    for key in distribution.unmatched_keys(paths):
+    unmatched = distribution.unmatched_keys(paths)
+    layout_map = distribution.layout_map
+    if isinstance(layout_map, LayoutMap):
+        seen = [layout_map.lookup_path(path) for path in paths]
+    else:
+        seen = paths
+    if len(unmatched) == len(keys):
+        shown = ", ".join(repr(key) for key in keys[:3])
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        raise ValueError(
+            f"None of the {len(keys)} LayoutMap keys ({shown}{more}) matches a "
+            f"variable or layer output of model {model.name!r}, whose variable "
+            f"paths are like {seen[:3]}: the map was written for another "
+            "model, and the run would lay out nothing and train as data "
+            "parallel. Write keys that match these paths (regular expressions "
+            "searched in each path), or make the map from this model, e.g. "
+            "keras_dist.layouts.tensor_parallel(model, mesh)."
+        )
+    if get_adapter().process_id() != 0:
+        return
+    for key in unmatched:
         if (id(distribution), key) in _warned_keys:
             continue
         _warned_keys.add((id(distribution), key))
         warnings.warn(
             f"LayoutMap key {key!r} matches no variable of model {model.name!r} "
             "and no layer output, so its layout is used nowhere. Variable paths "
-            f"look like {paths[0]!r}; check the key for typos.",
+            f"look like {seen[0]!r}; check the key for typos.",
             UserWarning,
             stacklevel=4,
         )
