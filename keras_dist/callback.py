@@ -58,6 +58,8 @@ class DistributeCallback(keras.callbacks.Callback):
         #: The row of the choice `"auto"` made (None until a call starts).
         self.choice: auto.Choice | None = None
         self._chosen_for: Any = None
+        # The word "auto" reuses any choice made for the model before.
+        self._as_word = isinstance(distribution, str)
         if auto.is_auto(distribution):
             self.auto = auto.as_auto(distribution)
             self.distribution = None
@@ -72,7 +74,9 @@ class DistributeCallback(keras.callbacks.Callback):
         kept."""
         if self.auto is None or self._chosen_for is model:
             return
-        self.choice = auto.choose(model, name, arguments, self.auto)
+        self.choice = auto.choose(
+            model, name, arguments, self.auto, any_earlier=self._as_word
+        )
         self.distribution = self.choice.distribution
         self._chosen_for = model
 

@@ -429,12 +429,16 @@ def _decide(model: Any, batch: int, input_shape: Any, auto: Auto) -> Choice:
     return _static_choice(model, batch, input_shape, auto, memory, limit)
 
 
-def choose(model: Any, name: str, arguments: dict, auto: Auto) -> Choice:
+def choose(
+    model: Any, name: str, arguments: dict, auto: Auto, *, any_earlier: bool = False
+) -> Choice:
     """The choice for `model`'s call `name` (`arguments`: the call's), made
     on process 0 and read by the others, or reused from the model's earlier
-    call; says it in one line on process 0 unless `verbose=0`."""
+    call (one made with the same settings, or any with `any_earlier`: the
+    plain word "auto"); says it in one line on process 0 unless
+    `verbose=0`."""
     entry = _choices.get(model)
-    if entry is not None and entry[0] == auto.settings():
+    if entry is not None and (any_earlier or entry[0] == auto.settings()):
         return entry[1]
     adapter = get_adapter()
     rank = adapter.process_id()
