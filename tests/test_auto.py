@@ -22,6 +22,7 @@ from keras_dist import cli
 from keras_dist.planner import auto_choice
 from keras_dist.planner.candidates import Candidate
 from keras_dist.training import auto
+from tests.multiprocess import log_of, run_job
 
 FITS_EVERYTHING = 2**30
 DATA_PARALLEL_DOES_NOT_FIT = 700_000
@@ -326,3 +327,22 @@ def test_a_choice_travels_as_numbers():
     assert (back.peak_bytes, back.limit_bytes, back.step_seconds) == (123, 456, 0.5)
     assert back.data_parallel_peak == 999 and back.data_parallel_step is None
     assert back.reason == "DataParallel does not fit: 1.0 KiB of 0.4 KiB a device"
+
+
+@pytest.mark.backend("jax")
+def test_two_processes_make_process_0s_choice(tmp_path):
+    """Process 0 compiles for both processes' devices (2 x 2) and tells the
+    other; both train with the same distribution, and one line is said."""
+    results = run_job(
+        "auto_worker.py",
+        [],
+        processes=2,
+        env={"KERAS_BACKEND": "jax", "KERAS_DIST_CPU_DEVICES": "2"},
+        output_dir=tmp_path,
+    )
+    first, second = results
+    assert first["description"] == "FSDP, batch=4, remat off"
+    assert first == second and first["devices"] == 4
+    assert first["line"].count("DataParallel does not fit") == 1
+    said = [log_of(tmp_path, rank).count("keras_dist auto:") for rank in (0, 1)]
+    assert said == [1, 0]
