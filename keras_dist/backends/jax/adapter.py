@@ -428,9 +428,7 @@ class JaxAdapter(BackendAdapter):
     ) -> list[Any]:
         return compiled_plan.topology_devices(platform, name, count, num_slices)
 
-    def local_memory_bytes(self) -> int | None:
-        return compiled_plan.local_memory_bytes()
-
+    local_memory_bytes = staticmethod(compiled_plan.local_memory_bytes)
     def topology_mesh_devices(
         self,
         devices: list[Any],
