@@ -299,7 +299,6 @@ def _compiled_choice(
         batch_size=batch,
         input_shape=input_shape,
         device_memory=limit,
-        time_budget=SEARCH_BUDGET,
         cache_dir=auto.cache_dir,
     )
     results = None
@@ -307,11 +306,16 @@ def _compiled_choice(
         # DataParallel first: where it fits and no step is projected (CPUs),
         # nothing else can win (a tie goes to the simplest).
         devices = len(get_adapter().list_devices())
-        first = search(candidates=[Candidate("data_parallel", {"batch": devices})])
+        first = search(
+            candidates=[Candidate("data_parallel", {"batch": devices})],
+            time_budget=SEARCH_BUDGET,
+        )
         if first[0].fits and first[0].step_seconds is None:
             results = first
     if results is None:
-        results = search(candidates=auto.candidates)
+        # What is left of the one budget (the first candidate always starts).
+        left = max(0.001, SEARCH_BUDGET - (time.monotonic() - began))
+        results = search(candidates=auto.candidates, time_budget=left)
     rows = list(results)
     best = auto_choice.pick(rows)
     if best is None:
