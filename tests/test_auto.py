@@ -346,3 +346,49 @@ def test_two_processes_make_process_0s_choice(tmp_path):
     assert first["line"].count("DataParallel does not fit") == 1
     said = [log_of(tmp_path, rank).count("keras_dist auto:") for rank in (0, 1)]
     assert said == [1, 0]
+
+
+@pytest.mark.backend("jax")
+def test_a_generator_does_not_say_its_batch():
+    def batches():
+        x, y = _data()
+        while True:
+            yield x[:BATCH], y[:BATCH]
+
+    callback = kd.DistributeCallback(kd.Auto(FITS_EVERYTHING))
+    with pytest.raises(ValueError, match="cannot read it from x of type generator"):
+        _model().fit(batches(), steps_per_epoch=1, callbacks=[callback], verbose=0)
+
+
+class _OtherRank:
+    """The adapter as process 1 of 2 sees it, process 0 having sent `sent`."""
+
+    name = "jax"
+
+    def __init__(self, sent):
+        self.sent = sent
+
+    def process_id(self):
+        return 1
+
+    def num_processes(self):
+        return 2
+
+    def gather_numbers(self, values, *, timeout_seconds):
+        assert timeout_seconds > auto.SEARCH_BUDGET
+        return [self.sent, values]
+
+
+@pytest.mark.backend_neutral
+@pytest.mark.parametrize(
+    "status, error, words",
+    [
+        (auto_choice.NOTHING_FITS, kd.OutOfDeviceMemoryError, "nothing fits"),
+        (auto_choice.FAILED, RuntimeError, "Process 0 failed while choosing"),
+    ],
+)
+def test_the_other_processes_end_as_process_0_did(monkeypatch, status, error, words):
+    sent = [status] + [0.0] * (auto_choice.WIDTH - 1)
+    monkeypatch.setattr(auto, "get_adapter", lambda: _OtherRank(sent))
+    with pytest.raises(error, match=words):
+        auto.choose(_model(), "fit", {}, kd.Auto(FITS_EVERYTHING))

@@ -169,21 +169,28 @@ def choice_of(model: Any) -> Choice | None:
 # -- the call's batch --------------------------------------------------------------
 def global_batch(arguments: dict) -> int:
     """The global batch of the call whose arguments are `arguments`: its
-    `batch_size`, else the batch its data gives (a tf.data dataset's, a
-    PyDataset's or a DataLoader's first batch), else Keras' default, 32."""
+    `batch_size`, else for arrays Keras' default, 32, else the batch its data
+    gives (a tf.data dataset's, a PyDataset's or a DataLoader's first batch);
+    a `ValueError` for data that cannot say it unconsumed (a generator)."""
     size = arguments.get("batch_size")
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
     x = arguments.get("x")
+    if x is None or _is_array_structure(x):
+        return 32
     rows = _rows_of_first_batch(x)
-    if rows is not None:
-        return rows
-    return 32
+    if rows is None:
+        raise ValueError(
+            '"auto" chooses for the global batch, and it cannot read it from x '
+            f"of type {type(x).__name__} without consuming it (a generator, an "
+            "iterator): give fit arrays with batch_size=, a tf.data dataset, a "
+            "PyDataset or a DataLoader, or pass the distribution itself "
+            "(`keras-dist plan MODEL --auto --batch-size B` says which)."
+        )
+    return rows
 
 
 def _rows_of_first_batch(x: Any) -> int | None:
-    if x is None or _is_array_structure(x):
-        return None
     loader_batch = getattr(x, "batch_size", None)
     if isinstance(loader_batch, int) and loader_batch > 0:
         return loader_batch
