@@ -63,6 +63,7 @@ device_simulation.apply_from_environment()
 
 #: Each public name and the module that defines it.
 _PUBLIC = {
+    "Auto": "keras_dist.training.auto",
     "Checkpoint": "keras_dist.checkpoint",
     "DataParallel": "keras_dist.distribution.policies",
     "DeviceMesh": "keras_dist.distribution.mesh",
@@ -95,6 +96,7 @@ _PUBLIC = {
 _SUBMODULES = ("callbacks", "checkpoint", "flops", "layouts", "schedules")
 
 __all__ = [
+    "Auto",
     "Checkpoint",
     "DataParallel",
     "DeviceMesh",
@@ -225,4 +227,5 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the API docs
     )
     from keras_dist.schedules import scale_learning_rate
     from keras_dist.trainer import Trainer
+    from keras_dist.training.auto import Auto
     from keras_dist.training.out_of_memory import OutOfDeviceMemoryError

@@ -7,6 +7,7 @@ from typing import Any
 import keras
 
 from keras_dist.faults import heartbeat
+from keras_dist.training import auto
 from keras_dist.training.session import DistributedRun, check_distribution
 
 _MODES = ("train", "test", "predict")
@@ -25,8 +26,19 @@ class DistributeCallback(keras.callbacks.Callback):
     Keras, runs as it would have without the failed one); validation inside
     `fit` stays distributed.
 
+    `"auto"` (or a `keras_dist.Auto`) lets keras_dist choose: when the call
+    starts, before any step compiles, it compiles the candidates for this
+    job's devices (JAX) or reads the static plan (PyTorch, TensorFlow),
+    takes the fastest projected one that fits, says so in one line on
+    process 0 (with the code that pins it; `verbose=0` silences it) and
+    trains with it. `callback.distribution` is then the distribution chosen
+    and `callback.choice` its row (`keras_dist.planner.auto_choice.Choice`);
+    later calls of the same model reuse it. Nothing fits:
+    `keras_dist.OutOfDeviceMemoryError` before any step.
+
     Args:
-        distribution: a keras_dist `DataParallel` or `ModelParallel`.
+        distribution: a keras_dist `DataParallel`, `ModelParallel` or `FSDP`,
+            or `"auto"` / `keras_dist.Auto(...)`.
 
     Example:
 
@@ -42,11 +54,40 @@ class DistributeCallback(keras.callbacks.Callback):
 
     def __init__(self, distribution: Any):
         super().__init__()
-        self.distribution = check_distribution(distribution, "DistributeCallback")
+        self.auto: auto.Auto | None = None
+        #: The row of the choice `"auto"` made (None until a call starts).
+        self.choice: auto.Choice | None = None
+        self._chosen_for: Any = None
+        # The word "auto" reuses any choice made for the model before.
+        self._as_word = isinstance(distribution, str)
+        if auto.is_auto(distribution):
+            self.auto = auto.as_auto(distribution)
+            self.distribution = None
+        else:
+            self.distribution = check_distribution(distribution, "DistributeCallback")
         self._run: DistributedRun | None = None
         self._owner: str | None = None
 
+    def choose_for_call(self, model: Any, name: str, arguments: dict) -> None:
+        """With `"auto"`: choose for `model` as its call `name` starts (the
+        call's `arguments` give the batch); a choice made for this model is
+        kept."""
+        if self.auto is None or self._chosen_for is model:
+            return
+        self.choice = auto.choose(
+            model, name, arguments, self.auto, any_earlier=self._as_word
+        )
+        self.distribution = self.choice.distribution
+        self._chosen_for = model
+
     def set_model(self, model: Any) -> None:
+        if self.auto is not None and self._chosen_for is not model:
+            raise RuntimeError(
+                'DistributeCallback("auto") chooses when a Keras fit, evaluate or '
+                "predict of the model starts: pass it in that call's callbacks "
+                "(set_model by hand needs a concrete distribution). Received: "
+                f"model {model.name!r}"
+            )
         super().set_model(model)
         # A run this callback started outside any Keras call (`set_model`
         # called by hand) is still on; a call's run ends with the call.

@@ -332,6 +332,13 @@ def _plan(arguments: argparse.Namespace) -> int:
         if arguments.device_memory is not None:
             memory = parse_memory(arguments.device_memory)
         input_shape = parse_input_shape(arguments.input_shape)
+        if arguments.auto:
+            from keras_dist import cli_search  # noqa: PLC0415
+
+            model = _import_function(arguments.model, "MODEL")
+            return cli_search.run_auto(
+                arguments, model, memory, input_shape, lambda e: as_flags(e, PLAN_FLAGS)
+            )
         if arguments.search:
             from keras_dist import cli_search  # noqa: PLC0415
 

@@ -54,6 +54,43 @@ def add_search_flags(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="with --search: keep each compiled candidate there, and reuse it",
     )
+    parser.add_argument(
+        "--auto",
+        action="store_true",
+        help='print what DistributeCallback("auto") would choose for this '
+        "job's devices at --batch-size, without training (--device-memory on CPUs)",
+    )
+
+
+def run_auto(
+    arguments: argparse.Namespace,
+    model: Any,
+    memory: int | None,
+    input_shape: Any,
+    said_as_flags: Callable[[str], str],
+) -> int:
+    """`keras-dist plan MODULE:FUNCTION --auto --batch-size B`: the line
+    `DistributeCallback("auto")` prints, for this job's devices, without
+    training; 1 when nothing fits or the choice is refused."""
+    from keras_dist.training.auto import Auto, plan_auto  # noqa: PLC0415
+    from keras_dist.training.out_of_memory import (  # noqa: PLC0415
+        OutOfDeviceMemoryError,
+    )
+
+    if arguments.batch_size is None:
+        arguments.usage_error("--auto needs --batch-size (the global batch).")
+    try:
+        choice = plan_auto(
+            model,
+            batch_size=arguments.batch_size,
+            input_shape=input_shape,
+            auto=Auto(device_memory=memory, cache_dir=arguments.cache_dir or True),
+        )
+    except (OutOfDeviceMemoryError, TypeError, ValueError, RuntimeError) as error:
+        print(f"keras-dist plan --auto: {said_as_flags(str(error))}", file=sys.stderr)
+        return 1
+    print(choice.line)
+    return 0
 
 
 def run_search(
@@ -125,4 +162,4 @@ def run_search(
     return 0
 
 
-__all__ = ["SEARCH_FLAGS", "add_search_flags", "run_search"]
+__all__ = ["SEARCH_FLAGS", "add_search_flags", "run_auto", "run_search"]

@@ -11,6 +11,7 @@ import keras
 from keras_dist.callback import DistributeCallback
 from keras_dist.checkpoint import Checkpoint
 from keras_dist.distribution.policies import Distribution
+from keras_dist.training import auto
 from keras_dist.training.session import active_run, check_distribution
 
 
@@ -18,8 +19,10 @@ class Trainer:
     """Mixin for `keras.Model` subclasses: `fit`, `evaluate` and `predict` run
     under a keras_dist distribution.
 
-    The distribution is the one given to the constructor as `distribution=`,
-    else the keras_dist distribution that is global when the call starts
+    The distribution is the one given to the constructor as `distribution=`
+    (`"auto"` or `keras_dist.Auto(...)`: keras_dist chooses when the first
+    call starts, as `DistributeCallback("auto")` does), else the keras_dist
+    distribution that is global when the call starts
     (`keras_dist.set_distribution` or `with distribution.scope():`). Without
     one the model trains as plain Keras would.
 
@@ -49,7 +52,7 @@ class Trainer:
         checkpoint: str | os.PathLike | Checkpoint | None = None,
         **kwargs: Any,
     ):
-        if distribution is not None:
+        if distribution is not None and not auto.is_auto(distribution):
             check_distribution(distribution, "Trainer(distribution=...)")
         if isinstance(checkpoint, str | os.PathLike):
             checkpoint = Checkpoint(checkpoint)
@@ -65,7 +68,13 @@ class Trainer:
 
     @property
     def distribution(self) -> Distribution | None:
-        """The distribution `fit`/`evaluate`/`predict` will use, if any."""
+        """The distribution `fit`/`evaluate`/`predict` will use, if any; with
+        `distribution="auto"` the one chosen once a call has started (before
+        it, `"auto"` or the `keras_dist.Auto` given)."""
+        given = self._keras_dist_distribution
+        if auto.is_auto(given):
+            choice = auto.choice_of(self)
+            return given if choice is None else choice.distribution
         if self._keras_dist_distribution is not None:
             return self._keras_dist_distribution
         current = keras.distribution.distribution()
@@ -77,10 +86,16 @@ class Trainer:
         if one was given as `checkpoint=`."""
         return self._keras_dist_checkpoint
 
+    @property
+    def choice(self) -> auto.Choice | None:
+        """With `distribution="auto"`: the row of the choice made when the
+        first call started (None before it)."""
+        return auto.choice_of(self)
+
     def _run_distributed(
         self, method: Any, args: tuple, kwargs: dict, checkpoint: Any = None
     ) -> Any:
-        distribution = self.distribution
+        distribution = self._keras_dist_distribution or self.distribution
         bound = inspect.signature(method).bind(*args, **kwargs)
         callbacks = bound.arguments.get("callbacks")
         if checkpoint is not None:

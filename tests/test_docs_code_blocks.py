@@ -583,6 +583,9 @@ INLINE_NOT_RUN.update(
         ),
         "python benchmarks/run.py --entries torch_fsdp": _RUN_ENTRY,
         "python benchmarks/run.py --entries throughput_overhead": _RUN_ENTRY,
+        "KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 python benchmarks/auto.py "
+        "--layers 4 --width 1024 --device-memory 1GiB --race": "a benchmark: a "
+        "search, then timed fits of five distributions",
         "KERAS_DIST_BENCH_JIT=1 KERAS_DIST_BENCH_BREAKDOWN=1 KERAS_BACKEND=torch "
         "PYTHONPATH=. python -m keras_dist launch --nproc-per-node 2 "
         "benchmarks/entries/torch_ddp_mlp.py --repeats 15 --steps 40": "a "

@@ -253,8 +253,15 @@ class BackendAdapter(abc.ABC):
         self, platform: str, name: str, count: int, num_slices: int
     ) -> list[Any]:
         """The devices of a TPU topology (`name` as libtpu spells it, e.g.
-        "v5e:16x16") or `count` CPU devices, for a compiled plan."""
+        "v5e:16x16"), `count` CPU devices, or (`platform="local"`) every
+        device of this job, for a compiled plan."""
         raise self._no_compiled_plan()
+
+    def local_memory_bytes(self) -> int | None:
+        """What a program may allocate on the least of this process'
+        devices, as the engine reports it, or None where it reports none
+        (CPU devices)."""
+        return None
 
     def topology_mesh_devices(
         self,

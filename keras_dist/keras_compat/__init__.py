@@ -106,10 +106,10 @@ _PROBED_MODULES = (
 )
 
 
-def patch_keras(*, around_model_calls: Callable[[Any, str, Any], Any]) -> None:
+def patch_keras(*, around_model_calls: Callable[[Any, str, Any, dict], Any]) -> None:
     """Apply the patches importing keras_dist applies (idempotent); see the
-    module docstring. `around_model_calls(model, name, callbacks)` is the
-    context manager every `fit`, `evaluate` and `predict` runs in."""
+    module docstring. `around_model_calls(model, name, callbacks, arguments)`
+    is the context manager every `fit`, `evaluate` and `predict` runs in."""
     model_calls.run_model_calls_within(around_model_calls)
     data_adapters.mark_keras_data_adapter()
 

@@ -16,11 +16,12 @@ from keras_dist.keras_compat import backend as keras_backends
 MODEL_CALLS = ("fit", "evaluate", "predict")
 
 
-def run_model_calls_within(around: Callable[[Any, str, Any], Any]) -> None:
+def run_model_calls_within(around: Callable[[Any, str, Any, dict], Any]) -> None:
     """Run every model's `fit`, `evaluate` and `predict` inside the context
-    manager `around(model, name, callbacks)` (`name`: `"fit"`, `"evaluate"` or
-    `"predict"`; `callbacks`: what the call was given, None when nothing),
-    from now on (idempotent).
+    manager `around(model, name, callbacks, arguments)` (`name`: `"fit"`,
+    `"evaluate"` or `"predict"`; `callbacks`: what the call was given, None
+    when nothing; `arguments`: the call's arguments by name, as given: `x`,
+    `batch_size`, `verbose`...), from now on (idempotent).
 
     Keras tells callbacks when a call ends but not when it raises, so what a
     callback switched on for the call would outlive a call that raised;
@@ -36,21 +37,20 @@ def run_model_calls_within(around: Callable[[Any, str, Any], Any]) -> None:
 
 
 def _call_within(
-    original: Callable[..., Any], name: str, around: Callable[[Any, str, Any], Any]
+    original: Callable[..., Any],
+    name: str,
+    around: Callable[[Any, str, Any, dict], Any],
 ) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if "callbacks" in kwargs:
-            callbacks = kwargs["callbacks"]
-        else:
-            try:
-                bound = signature.bind_partial(self, *args, **kwargs).arguments
-            except TypeError:  # Keras' own call raises the clear error
-                bound = {}
-            callbacks = bound.get("callbacks")
-        with around(self, name, callbacks):
+        try:
+            bound = dict(signature.bind_partial(self, *args, **kwargs).arguments)
+        except TypeError:  # Keras' own call raises the clear error
+            bound = dict(kwargs)
+        bound.pop("self", None)
+        with around(self, name, bound.get("callbacks"), bound):
             return original(self, *args, **kwargs)
 
     call._keras_dist_around = around  # type: ignore[attr-defined]

@@ -52,7 +52,12 @@ from keras_dist.keras_compat.distribution import KerasDistribution
 from keras_dist.planner.model import input_specs, input_structure, made_model
 from keras_dist.planner.paper_mesh import check_mesh, distribution_on_mesh
 from keras_dist.planner.result import CompiledPlan, CompiledStep, Plan
-from keras_dist.planner.topology import Topology, known_slices, parse_topology
+from keras_dist.planner.topology import (
+    LOCAL,
+    Topology,
+    known_slices,
+    parse_topology,
+)
 
 STEP_KINDS = ("train", "test", "predict")
 #: `CompiledStep.collective_bytes`' key for what crosses slices.
@@ -80,6 +85,24 @@ class TopologyMesh:
         first = self.devices[0]
         self.device_kind = (
             "cpu" if first.platform == "cpu" else str(getattr(first, "device_kind", ""))
+        )
+        self.platform = str(first.platform)
+
+    @property
+    def local(self) -> bool:
+        """Whether these are this job's own devices (`topology="local"`)."""
+        return self.topology.platform == LOCAL
+
+    def describe(self) -> str:
+        """The devices in words, one spelling per set of devices: for
+        `"local"` their count, kind and processes, else the topology."""
+        if not self.local:
+            parsed = self.topology
+            return parsed.libtpu_name or f"{parsed.platform}:{parsed.chips}"
+        processes = get_adapter().num_processes()
+        return (
+            f"local:{len(self.devices)}x{self.device_kind}"
+            f":{processes}process{'es' if processes > 1 else ''}"
         )
 
     def distribution(self, distribution: Any, mesh: Mapping[str, int] | None) -> Any:
@@ -152,6 +175,9 @@ class TopologyMesh:
         return made
 
     def memory(self) -> int | None:
+        if self.local:
+            # What the engine lets a program allocate (CPUs: None).
+            return get_adapter().local_memory_bytes()
         return accelerators.memory_bytes(self.device_kind)
 
 
@@ -183,7 +209,7 @@ def check_topology_arguments(topology: Any, num_slices: Any, mesh: Any) -> Topol
                 f"{parsed.name!r} has {devices} chips. Give a mesh whose sizes "
                 "multiply to the topology's device count."
             )
-        if parsed.platform == "cpu" and count != devices:
+        if parsed.platform == "cpu" and count != devices:  # "local": when made
             raise ValueError(
                 f"The mesh {dict(mesh)} has {count} devices; the topology "
                 f"{parsed.name!r} has {devices}."
@@ -387,6 +413,8 @@ def compiled_plan(
             "The devices' memory is unknown: pass device_memory= to know whether "
             "it fits."
         )
+    elif device_memory is None and topology_mesh.local:
+        notes.append("Each device's memory: the limit the engine reports for it.")
     elif device_memory is None and (
         source := accelerators.memory_source(topology_mesh.device_kind)
     ):

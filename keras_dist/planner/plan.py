@@ -135,8 +135,10 @@ def plan(
         topology: compile `fit`'s own steps for this topology (JAX only) and
             add what XLA says of them as `plan.compiled`: a TPU slice by
             name (`"v5e:2x2"`, `"v5e-256"`, `"v5p:4x4x8"`, `"v6e-8"`; needs
-            `libtpu`: `pip install "keras-dist[tpu]"`) or `"cpu:N"` (N CPU
-            devices of this process). `distribution` is then a function of
+            `libtpu`: `pip install "keras-dist[tpu]"`), `"cpu:N"` (N CPU
+            devices of this process) or `"local"` (the devices this job has:
+            every process' GPUs, TPU chips or CPUs; their memory as the
+            engine reports it, none for CPUs). `distribution` is then a function of
             the mesh made on the topology's devices, of `mesh=`'s shape or,
             without it, every device on one axis `"batch"`; `batch_size` is
             needed. A model function may compile its model (the step needs

@@ -95,10 +95,13 @@ class Job:
     steps: tuple[str, ...]
     device_memory: int | None
     memory: int | None  # the devices' memory for the screen: given, or the chip's
+    # The devices in words (`TopologyMesh.describe`): "local" is keyed by
+    # what it is on this job, not by its name.
+    devices: str | None = None
 
     def fingerprint(self) -> dict[str, Any]:
         return {
-            "topology": _topology_key(self.topology, self.num_slices),
+            "topology": self.devices or _topology_key(self.topology, self.num_slices),
             "num_slices": self.num_slices,
             "batch_size": self.batch_size,
             "sequence_length": self.sequence_length,
@@ -476,7 +479,8 @@ def plan_search(
             (made without allocating it), or a model. To compile in worker
             processes, a module-level function (it is pickled).
         topology: as `keras_dist.plan`'s: `"v5e-256"`, `"v5p:4x4x8"`,
-            `"cpu:8"`...
+            `"cpu:8"`..., or `"local"`: the devices this job has (every
+            process' GPUs, TPU chips or CPUs), compiled in this process.
         batch_size: the global batch.
         num_slices: TPU slices (data-center network between them).
         sequence_length: the sequence length of a KerasHub model's inputs.
@@ -561,6 +565,7 @@ def plan_search(
         kinds,
         device_memory,
         device_memory or chip_memory,
+        topology_mesh.describe(),
     )
     # Memory savers are added to the default candidates, not to a list given.
     savers = candidates is None or all(isinstance(c, str) for c in candidates)
@@ -594,6 +599,13 @@ def plan_search(
         for saver in search.savers_of(candidate, result):
             if saver not in to_compile and not cached(saver):
                 to_compile.append(saver)
+    if topology_mesh.local and processes > 1:
+        # Worker processes would have devices of their own, not the job's.
+        search.notes.append(
+            f"processes={processes} not used: topology='local' compiles for "
+            "this job's devices, in this process."
+        )
+        processes = 1
     workers, executor = _executor(model, processes, len(to_compile), search)
     deadline = None if time_budget is None else began + time_budget
     with (

@@ -2,6 +2,9 @@
 asking any engine, so that a wrong one is refused before anything compiles.
 
     "cpu:8"        8 CPU devices of this process
+    "local"        the devices this job has: every process' GPUs, TPU chips
+                   or CPUs (their count and kind asked of the engine when
+                   the plan is compiled)
     "v5e:2x2"      a TPU slice by generation and chip grid (as libtpu names it)
     "v5e-256"      a TPU slice as Cloud names it (v5e, v6e: chips; v4, v5p:
                    TensorCores, two a chip), laid out as Cloud's default grid
@@ -21,6 +24,8 @@ GENERATIONS = {
     "v5p": (3, True),
     "v6e": (2, False),
 }
+#: The topology of the devices this job has (`plan(..., topology="local")`).
+LOCAL = "local"
 ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6litepod": "v6e"}
 # Cloud's default grids by chip count (TPU v5e, v6e: 2-D; v4, v5p: 3-D).
 GRIDS_2D = {
@@ -46,7 +51,7 @@ GRIDS_3D = {
     2048: "8x16x16",
     4096: "16x16x16",
 }
-_EXAMPLES = '"v5e:2x2", "v5e-256", "v5p:4x4x8", "v6e-8" or "cpu:8"'
+_EXAMPLES = '"v5e:2x2", "v5e-256", "v5p:4x4x8", "v6e-8", "cpu:8" or "local"'
 
 
 def known_slices(generation: str) -> str:
@@ -72,9 +77,10 @@ class Topology:
 
     Attributes:
         name: as given.
-        platform: "tpu" or "cpu".
-        libtpu_name: the name libtpu takes ("v5e:16x16"), "" for CPUs.
-        chips: chips (CPU devices) in one slice.
+        platform: "tpu", "cpu" or "local" (this job's own devices).
+        libtpu_name: the name libtpu takes ("v5e:16x16"), "" otherwise.
+        chips: chips (CPU devices) in one slice; 0 for "local", whose
+            devices are counted when the plan is compiled.
         num_slices: slices joined by the data-center network.
     """
 
@@ -96,6 +102,8 @@ def parse_topology(name: object, num_slices: object = 1) -> Topology:
     64
     >>> parse_topology("cpu:8").chips
     8
+    >>> parse_topology("local").platform
+    'local'
     """
     if isinstance(num_slices, bool) or not isinstance(num_slices, int):
         raise TypeError(
@@ -111,6 +119,14 @@ def parse_topology(name: object, num_slices: object = 1) -> Topology:
             f"topology={name!r}"
         )
     spelled = name.strip().lower()
+    if spelled == LOCAL:
+        if num_slices != 1:
+            raise ValueError(
+                "topology='local' is the devices this job has, however many "
+                "slices they span: give no num_slices. Received: "
+                f"num_slices={num_slices}"
+            )
+        return Topology(name, LOCAL, "", 0)
     cpu = re.fullmatch(r"cpu:(\d+)", spelled)
     if cpu:
         if num_slices != 1:

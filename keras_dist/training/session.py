@@ -232,9 +232,21 @@ def _distribution_in(callbacks: Any) -> Distribution | None:
     return None
 
 
+def _choose_for_call(model: Any, name: str, callbacks: Any, arguments: Any) -> None:
+    """A `DistributeCallback` asked to choose (`"auto"`) chooses now, when
+    the call starts, from the call's arguments: before anything reads its
+    distribution, Keras builds the model or a step is compiled."""
+    for callback in getattr(callbacks, "callbacks", callbacks) or ():
+        if getattr(type(callback), "starts_runs", False):
+            choose = getattr(callback, "choose_for_call", None)
+            if choose is not None:
+                choose(model, name, dict(arguments or {}))
+            return
+
+
 @contextlib.contextmanager
 def _runs_end_with_their_call(
-    model: Any, name: str = "fit", callbacks: Any = None
+    model: Any, name: str = "fit", callbacks: Any = None, arguments: Any = None
 ) -> Iterator[None]:
     """A run started during a Keras call on `model` (by a `DistributeCallback`)
     ends with that call, also when it raises: Keras calls no callback then,
@@ -250,6 +262,8 @@ def _runs_end_with_their_call(
     the same handling as an error raised during the call."""
     for stale in [run for run in _active_runs.values() if run.stale]:
         stale.stop()
+    if id(model) not in _active_runs:
+        _choose_for_call(model, name, callbacks, arguments)
     given = _distribution_in(callbacks)
     # Before Keras builds the model or compiles a step (`sequence_axis=`).
     check_model(model, given)

@@ -85,6 +85,7 @@ class JaxAdapter(BackendAdapter):
     name = "jax"
     # State updates leave the recomputed call as values (`remat.checkpoint`).
     recomputes_layer_state = True
+    local_memory_bytes = staticmethod(compiled_plan.local_memory_bytes)
 
     def simulate_cpu_devices(self, count: int) -> None:
         # Imported here: this method is all of the adapter that needs it.

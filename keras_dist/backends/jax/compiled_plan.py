@@ -3,8 +3,10 @@
 A TPU topology (`"v5e:16x16"`, two slices of `"v5p:4x4x4"`) is described by
 `libtpu` on any host (`jax.experimental.topologies`): its devices can be put
 in a mesh and compiled for, not run on. `"cpu:N"` is N CPU devices of this
-process. The steps compiled are the ones Keras' `make_*_function` jits for
-the model with keras_dist's steps installed, lowered on abstract values
+process; `"local"` every device of this job (`jax.devices()`: each
+process' GPUs, TPU chips or CPUs), which can be run on too. The steps
+compiled are the ones Keras' `make_*_function` jits for the model with
+keras_dist's steps installed, lowered on abstract values
 (`jax.ShapeDtypeStruct`s carrying the variables' and the batch's shardings):
 nothing is allocated. What XLA says of the compiled program is read here:
 
@@ -119,7 +121,10 @@ def libtpu_problem() -> str | None:
 
 def topology_devices(platform: str, name: str, count: int, num_slices: int) -> list:
     """The devices of a TPU topology (`platform="tpu"`, `name` as libtpu
-    spells it, e.g. "v5e:16x16") or `count` CPU devices of this process."""
+    spells it, e.g. "v5e:16x16"), `count` CPU devices of this process, or
+    (`platform="local"`) every device of this job, all processes'."""
+    if platform == "local":
+        return list(jax.devices())
     if platform == "cpu":
         devices = jax.devices("cpu")
         if len(devices) < count:
@@ -212,6 +217,20 @@ def device_mesh_array(
     return mesh_utils.create_hybrid_device_mesh(
         within, across, devices, allow_split_physical_axes=True
     )
+
+
+def local_memory_bytes() -> int | None:
+    """What a program may allocate on the least of this process' devices,
+    as the engine reports it (`memory_stats()["bytes_limit"]`), or None
+    where it reports none (CPU devices)."""
+    limits = []
+    for device in jax.local_devices():
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        limit = (stats or {}).get("bytes_limit")
+        if not limit:
+            return None
+        limits.append(int(limit))
+    return min(limits) if limits else None
 
 
 def mesh_slices(devices: list) -> dict[int, int]:
