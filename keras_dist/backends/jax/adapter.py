@@ -17,7 +17,13 @@ from jax.experimental import layout as jax_layout
 from jax.experimental import multihost_utils
 
 from keras_dist.backends.base import BackendAdapter
-from keras_dist.backends.jax import compiled_plan, input_adapter, offload, remat
+from keras_dist.backends.jax import (
+    compiled_plan,
+    host_state,
+    input_adapter,
+    offload,
+    remat,
+)
 from keras_dist.backends.jax import keras_internals as internals
 from keras_dist.backends.jax.input_adapter import (
     DistributedBatches,
@@ -300,12 +306,17 @@ class JaxAdapter(BackendAdapter):
         return None  # every JAX platform has pinned host memory
 
     def call_starting(self, model: Any, name: str, distribution: Any) -> Any:
-        """Keras builds the optimizer before the call's run starts: with
-        layouts that split variables each slot is laid out as the variable
-        it mirrors the moment Keras makes it (`each_new_slot`), so the
-        optimizer's state is never all whole on one device (Adam's: twice
-        the model). A state slot that `offload=` keeps in host memory goes
-        there as it is made, and `optimizer_state_dtype=` is its dtype."""
+        """Keras builds the optimizer before the call's run starts: its
+        slots are made where `distribution` keeps them (`building_optimizer`)."""
+        return self.building_optimizer(model, distribution)
+
+    def building_optimizer(self, model: Any, distribution: Any) -> Any:
+        """With layouts that split variables each slot is laid out as the
+        variable it mirrors the moment Keras makes it (`each_new_slot`), so
+        the optimizer's state is never all whole on one device (Adam's:
+        twice the model). A state slot that `offload=` keeps in host memory
+        is made there (`host_state`), never on the device, and
+        `optimizer_state_dtype=` is the dtype it is made in."""
         optimizer = getattr(model, "optimizer", None)
         placement = getattr(distribution, "state_placement", None)
         if (
@@ -330,6 +341,7 @@ class JaxAdapter(BackendAdapter):
             offload.updating(optimizer),
             made,
             state_dtype=offload.slot_dtype_for(placement),
+            state_layout=_host_slot_layout(distribution, placement),
         )
 
     def activate(self, model: Any, distribution: Any) -> None:
@@ -575,6 +587,25 @@ def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
     return list(planned.values())
 
 
+def _host_slot_layout(distribution: Any, placement: Any) -> Any:
+    """Under `offload=`, the layout a state slot of a variable is made in
+    (its variable's, in host memory), or None where that layout does not
+    divide the variable (the run's start refuses it, with the whole plan);
+    without, None (the slot is made as Keras makes it)."""
+    if placement is None or not placement.offloads_slots:
+        return None
+
+    def layout_for(reference: Any) -> Any:
+        layout = distribution.layout_for_variable(reference)
+        try:
+            _check_layout_divides(reference, layout)
+        except ValueError:
+            return None
+        return offload.host_layout(layout)
+
+    return layout_for
+
+
 def _gathered(value: Any) -> np.ndarray | None:
     """The whole of `value` on this process if it is split across processes
     (a collective: every process reads it, as every process saves), else None
@@ -696,4 +727,6 @@ internals.split_variables_at_creation(
 internals.read_variables_through(_gathered)
 internals.place_tensors_through(_placed_exactly)
 internals.assign_host_values_through(_built_shard_by_shard)
+# A slot kept in host memory is made there (never on the device first).
+internals.make_variables_through(host_state.made_in_host_memory)
 ADAPTER = JaxAdapter()
