@@ -12,8 +12,8 @@ on this process' devices, one JSON object (`RESULT {...}`, and `--out`).
   start), `after_first_step`, `after_fit`, `after_save` (a `kd.Checkpoint`
   save), `after_restore` (`kd.restore` into a new model under the same
   distribution: its optimizer built, its slots loaded).
-- `slot_memory_kinds`: where the optimizer's slots live during `fit` and
-  after the restore.
+- `slot_memory_kinds`, `restored_slot_memory_kinds`: where Adam's moments
+  live during `fit` and after the restore.
 
 On one TPU v5e chip (20 layers of 8192, batch 16; the save and restore on 6
 layers, since a checkpoint holds the whole state on the host's disk):
@@ -30,6 +30,7 @@ Runs on a CPU too (small: `--layers 3 --width 256`), where the peaks are None.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -101,17 +102,10 @@ def planned_peak(model: Any, distribution: Any, batch: int, width: int) -> dict:
     return out
 
 
-def save_and_restore(
-    model: Any, distribution: Any, xs: Any, ys: Any, args: Any, out: dict
-) -> None:
-    """A `kd.Checkpoint` save (one more epoch, saved at its end), then
-    `kd.restore` into a new model (its optimizer never built) under the same
-    distribution, the first model gone."""
-    import gc
-
+def save(model: Any, distribution: Any, xs: Any, ys: Any, args: Any, out: dict) -> str:
+    """A `kd.Checkpoint` save: one more epoch, saved at its end."""
     import keras_dist as kd
 
-    peaks = out["process_peak_gib"]
     directory = tempfile.mkdtemp(prefix="offload_peak_", dir=args.directory)
     model.fit(
         xs,
@@ -125,19 +119,25 @@ def save_and_restore(
             kd.Checkpoint(directory, save_freq="epoch"),
         ],
     )
-    mark(peaks, "after_save")
-    del model
-    gc.collect()
+    mark(out["process_peak_gib"], "after_save")
+    return directory
+
+
+def restore(directory: str, distribution: Any, args: Any, out: dict) -> None:
+    """`kd.restore` into a new model (its optimizer never built) under the
+    same distribution."""
+    import keras_dist as kd
+
     out["in_use_before_restore_gib"] = in_use_gib()
     restored = make_model(args.layers, args.width)
     with distribution.scope():
         out["restored_step"] = kd.restore(restored, directory)
-    mark(peaks, "after_restore")
+    mark(out["process_peak_gib"], "after_restore")
     out["restored_slot_memory_kinds"] = sorted(
         {
             str(variable.value.sharding.memory_kind)
             for variable in restored.optimizer.variables
-            if len(variable.shape) == 2
+            if variable.name.endswith(("momentum", "velocity"))
         }
     )
     shutil.rmtree(directory, ignore_errors=True)
@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if batch == 0:
                 mark(peaks, "after_first_step")
             for variable in self.model.optimizer.variables:
-                kinds.add(str(variable.value.sharding.memory_kind))
+                if variable.name.endswith(("momentum", "velocity")):
+                    kinds.add(str(variable.value.sharding.memory_kind))
 
     rng = np.random.default_rng(0)
     rows = args.batch * args.steps
@@ -185,7 +186,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out["slot_memory_kinds"] = sorted(kinds)
     out["planned"] = planned_peak(model, distribution, args.batch, args.width)
     if args.save_restore:
-        save_and_restore(model, distribution, xs, ys, args, out)
+        directory = save(model, distribution, xs, ys, args, out)
+        del model  # the trained model gone before the restore
+        gc.collect()
+        restore(directory, distribution, args, out)
     planned = out["planned"].get("peak_gib")
     highest = max((p for p in peaks.values() if p is not None), default=None)
     if planned is not None and highest is not None:

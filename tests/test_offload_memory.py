@@ -154,6 +154,8 @@ def test_offloaded_slots_are_made_in_host_memory_never_moved_there(
 def test_a_restore_under_offload_loads_the_slots_straight_into_host_memory(
     tmp_path, monkeypatch
 ):
+    from keras_dist.backends.jax import checkpoint as jax_checkpoint
+
     distribution = kd.DataParallel(offload="optimizer")
     model = _model()
     checkpoint = kd.Checkpoint(tmp_path, save_freq="epoch", save_on_background=False)
@@ -165,6 +167,15 @@ def test_a_restore_under_offload_loads_the_slots_straight_into_host_memory(
     before = _device_kernels()
     fresh = _model()
     puts.calls.clear()
+    seen = []
+    original = jax_checkpoint._restore
+
+    def restore(*args, **kwargs):
+        restored = original(*args, **kwargs)
+        seen.append(len(_new(_device_kernels(), before, fresh)))
+        return restored
+
+    monkeypatch.setattr(jax_checkpoint, "_restore", restore)
     with distribution.scope():
         assert kd.restore(fresh, str(tmp_path)) == 2
     assert {v.value.sharding.memory_kind for v in _slots(fresh)} == {"pinned_host"}
@@ -174,6 +185,10 @@ def test_a_restore_under_offload_loads_the_slots_straight_into_host_memory(
     assert puts.kernel_sized("device", "pinned_host") == 0
     assert puts.kernel_sized("numpy", "pinned_host") > 0
     assert _new(_device_kernels(), before, fresh) == []
+    # Each restored kernel stood beside the one it replaces alone (all at
+    # once: both kernels twice over); the slots came in a group of their own.
+    assert len(seen) > 2
+    assert max(seen) == 1
     trained = [np.asarray(v) for v in _slots(fresh)]
     assert all(np.any(value != 0) for value in trained)
 
@@ -186,3 +201,32 @@ def test_without_offload_the_slots_are_made_on_the_devices():
     assert start.kinds == {"device"}
     # What the checks above see: here each kernel's two slots.
     assert {id(array) for array in start.new_on_device} == start.slot_values
+
+
+def test_a_slot_of_any_initializer_is_made_in_host_memory():
+    from keras_dist.backends.jax import host_state
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+    host = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host"
+    )
+    for initializer, expected in (
+        (keras.initializers.Constant(0.5), 0.5),
+        (keras.initializers.Ones(), 1.0),
+        (keras.initializers.RandomUniform(2.0, 3.0), None),
+    ):
+        value = host_state.made_in_host_memory(initializer, (4, 3), "bfloat16", host)
+        assert value.sharding.memory_kind == "pinned_host"
+        assert value.dtype == "bfloat16" and value.shape == (4, 3)
+        array = np.asarray(value, "float32")
+        if expected is None:
+            assert 2.0 <= array.min() and array.max() <= 3.0
+        else:
+            np.testing.assert_array_equal(array, np.full((4, 3), expected))
+    on_device = host.with_memory_kind("device")
+    assert (
+        host_state.made_in_host_memory(
+            keras.initializers.Zeros(), (4,), "float32", on_device
+        )
+        is None
+    )

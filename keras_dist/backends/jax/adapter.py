@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import weakref
@@ -36,11 +35,7 @@ from keras_dist.common.prefetch import prefetch_depth
 from keras_dist.common.random_streams import take_process_zero_streams
 from keras_dist.keras_compat import remat as keras_remat
 from keras_dist.keras_compat.layers import layers_of
-from keras_dist.keras_compat.optimizers import (
-    each_new_slot,
-    is_state_slot,
-    slot_owners,
-)
+from keras_dist.keras_compat.optimizers import is_state_slot, slot_owners
 
 # JAX's sharding-plus-memory-layout object (`Layout` in older releases).
 _JaxFormat = getattr(jax_layout, "Format", None) or jax_layout.Layout
@@ -306,43 +301,12 @@ class JaxAdapter(BackendAdapter):
         return None  # every JAX platform has pinned host memory
 
     def call_starting(self, model: Any, name: str, distribution: Any) -> Any:
-        """Keras builds the optimizer before the call's run starts: its
-        slots are made where `distribution` keeps them (`building_optimizer`)."""
+        """Keras builds the optimizer before the call's run starts."""
         return self.building_optimizer(model, distribution)
 
     def building_optimizer(self, model: Any, distribution: Any) -> Any:
-        """With layouts that split variables each slot is laid out as the
-        variable it mirrors the moment Keras makes it (`each_new_slot`), so
-        the optimizer's state is never all whole on one device (Adam's:
-        twice the model). A state slot that `offload=` keeps in host memory
-        is made there (`host_state`), never on the device, and
-        `optimizer_state_dtype=` is the dtype it is made in."""
-        optimizer = getattr(model, "optimizer", None)
-        placement = getattr(distribution, "state_placement", None)
-        if (
-            not isinstance(distribution, keras.distribution.ModelParallel)
-            and placement is None
-        ) or (optimizer is None or optimizer.built):
-            return contextlib.nullcontext()
-
-        def made(reference: Any, slot: Any) -> None:
-            layout = distribution.layout_for_variable(reference)
-            if is_state_slot(slot):
-                layout = offload.slot_layout(placement, layout)
-            if all(axis is None for axis in getattr(layout, "axes", (0,))):
-                return
-            try:
-                _check_layout_divides(slot, layout)
-            except ValueError:
-                return  # the run's start refuses it, with the whole plan
-            internals.relayout_variable(slot, layout)
-
-        return each_new_slot(
-            offload.updating(optimizer),
-            made,
-            state_dtype=offload.slot_dtype_for(placement),
-            state_layout=_host_slot_layout(distribution, placement),
-        )
+        """Each slot made where `distribution` keeps it (`host_state`)."""
+        return host_state.slots_in_place(model, distribution, _check_layout_divides)
 
     def activate(self, model: Any, distribution: Any) -> None:
         input_adapter.forget_last_batch()
@@ -585,25 +549,6 @@ def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
                 layout = distribution.layout_for_variable(variable)
             planned[id(variable)] = (variable, layout)
     return list(planned.values())
-
-
-def _host_slot_layout(distribution: Any, placement: Any) -> Any:
-    """Under `offload=`, the layout a state slot of a variable is made in
-    (its variable's, in host memory), or None where that layout does not
-    divide the variable (the run's start refuses it, with the whole plan);
-    without, None (the slot is made as Keras makes it)."""
-    if placement is None or not placement.offloads_slots:
-        return None
-
-    def layout_for(reference: Any) -> Any:
-        layout = distribution.layout_for_variable(reference)
-        try:
-            _check_layout_divides(reference, layout)
-        except ValueError:
-            return None
-        return offload.host_layout(layout)
-
-    return layout_for
 
 
 def _gathered(value: Any) -> np.ndarray | None:
