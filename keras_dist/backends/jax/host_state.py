@@ -51,7 +51,7 @@ def constant_of(initializer: Any) -> Any:
     if isinstance(initializer, keras.initializers.Ones):
         return 1
     if isinstance(initializer, keras.initializers.Constant):
-        return initializer.get_config()["value"]
+        return np.asarray(initializer.value)
     return None
 
 
