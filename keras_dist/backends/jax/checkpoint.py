@@ -405,13 +405,17 @@ def restore_groups(target: Mapping[str, Any]) -> list[list[str]]:
     one group's worth more than the model (the largest variable's bytes a
     group, per device). Values in host memory (offloaded optimizer slots)
     cost the device nothing: one group."""
-    host, groups, current, size = [], [], [], 0
-    per_device = {key: _device_bytes(struct) for key, struct in target.items()}
+    host = [
+        key
+        for key, struct in target.items()
+        if struct.sharding.memory_kind in ("pinned_host", "unpinned_host")
+    ]
+    per_device = {
+        key: _device_bytes(struct) for key, struct in target.items() if key not in host
+    }
     budget = max(per_device.values(), default=0)
-    for key, struct in target.items():
-        if struct.sharding.memory_kind in ("pinned_host", "unpinned_host"):
-            host.append(key)
-            continue
+    groups, current, size = [], [], 0
+    for key in per_device:
         if current and size + per_device[key] > budget:
             groups.append(current)
             current, size = [], 0
