@@ -566,6 +566,9 @@ INLINE_NOT_RUN = {
     "python benchmarks/offload.py --mode compiled --layers 8 --width 8192 "
     "--accumulation 4": "a benchmark that compiles for a TPU chip (libtpu, minutes "
     "of CPU): its figures are on the page",
+    "KERAS_BACKEND=jax python benchmarks/offload_process_peak.py --layers 20 "
+    "--no-save-restore": "needs a TPU chip (5 GiB of weights, 10 GiB of host "
+    "state): its figures are on the page",
 }
 # The commands of benchmarks/README.md's prose and table (the benchmarks page
 # shows it): benchmarks of minutes, or for a TPU chip.

@@ -332,6 +332,13 @@ class BackendAdapter(abc.ABC):
         default."""
         return contextlib.nullcontext()
 
+    def building_optimizer(self, model: Any, distribution: Any) -> Any:
+        """A context manager around building `model`'s optimizer outside a
+        call (a restore into a model that never trained), `distribution`
+        being the global one: its slots are made where `distribution` keeps
+        them, as a call's are (`call_starting`). Nothing by default."""
+        return contextlib.nullcontext()
+
     def wait_for_steps(self, model: Any) -> None:
         """Return once every step dispatched for `model` has run; a step that
         failed on a device raises its engine's error here. Called at the end

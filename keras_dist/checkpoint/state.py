@@ -14,6 +14,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_dist.backends import get_adapter
 from keras_dist.checkpoint import damaged, store
 from keras_dist.checkpoint import engine as engines
 from keras_dist.checkpoint.keys import saveable_variables
@@ -57,7 +58,11 @@ def ensure_built(model: Any, saved: dict[str, Any]) -> None:
         and not getattr(optimizer, "built", False)
         and model.trainable_variables
     ):
-        optimizer.build(model.trainable_variables)
+        # Its slots are made where the global distribution keeps them (in
+        # host memory under `offload=`), never on the device first.
+        distribution = keras.distribution.distribution()
+        with get_adapter().building_optimizer(model, distribution):
+            optimizer.build(model.trainable_variables)
 
 
 def match(

@@ -73,14 +73,21 @@ def state_slots(optimizer: Any, model_variables: list[Any]) -> dict[int, list[An
 
 @contextlib.contextmanager
 def each_new_slot(
-    optimizer: Any, made: Callable[[Any, Any], None], *, state_dtype: Any = None
+    optimizer: Any,
+    made: Callable[[Any, Any], None],
+    *,
+    state_dtype: Any = None,
+    state_layout: Any = None,
 ) -> Iterator[None]:
     """While the block runs, `made(reference, slot)` is called as soon as the
     optimizer makes a slot for a model variable
     (`Optimizer.add_variable_from_reference`, which every Keras optimizer's
     `build` uses), before the next one is made: FSDP shards each slot then,
     so the whole set is never held full size. `state_dtype(reference)`, if
-    given, is the dtype each state slot (`is_state_slot`) is made in."""
+    given, is the dtype each state slot (`is_state_slot`) is made in, and
+    `state_layout(reference)` (None: the reference's own) the layout it is
+    made in (`add_variable(layout=)`): a slot kept in host memory is born
+    there."""
     original = optimizer.add_variable_from_reference
     add_variable = optimizer.add_variable
 
@@ -89,17 +96,21 @@ def each_new_slot(
         # by position or keyword (Adafactor names `reference_variable=`).
         reference = args[0] if args else kwargs["reference_variable"]
         name = kwargs.get("name", args[1] if len(args) > 1 else None)
-        dtype = None
-        if state_dtype is not None and name not in BOOKKEEPING_SLOTS:
-            dtype = state_dtype(reference)
-        if dtype is None:
+        chosen = {}
+        if name not in BOOKKEEPING_SLOTS:
+            if state_dtype is not None:
+                chosen["dtype"] = state_dtype(reference)
+            if state_layout is not None:
+                chosen["layout"] = state_layout(reference)
+        chosen = {key: value for key, value in chosen.items() if value is not None}
+        if not chosen:
             slot = original(*args, **kwargs)
         else:
 
-            def in_dtype(*inner: Any, **options: Any) -> Any:
-                return add_variable(*inner, **{**options, "dtype": dtype})
+            def in_place(*inner: Any, **options: Any) -> Any:
+                return add_variable(*inner, **{**options, **chosen})
 
-            with _on_instance(optimizer, "add_variable", in_dtype):
+            with _on_instance(optimizer, "add_variable", in_place):
                 slot = original(*args, **kwargs)
         made(reference, slot)
         return slot

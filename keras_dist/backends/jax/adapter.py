@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import weakref
@@ -17,7 +16,13 @@ from jax.experimental import layout as jax_layout
 from jax.experimental import multihost_utils
 
 from keras_dist.backends.base import BackendAdapter
-from keras_dist.backends.jax import compiled_plan, input_adapter, offload, remat
+from keras_dist.backends.jax import (
+    compiled_plan,
+    host_state,
+    input_adapter,
+    offload,
+    remat,
+)
 from keras_dist.backends.jax import keras_internals as internals
 from keras_dist.backends.jax.input_adapter import (
     DistributedBatches,
@@ -30,11 +35,7 @@ from keras_dist.common.prefetch import prefetch_depth
 from keras_dist.common.random_streams import take_process_zero_streams
 from keras_dist.keras_compat import remat as keras_remat
 from keras_dist.keras_compat.layers import layers_of
-from keras_dist.keras_compat.optimizers import (
-    each_new_slot,
-    is_state_slot,
-    slot_owners,
-)
+from keras_dist.keras_compat.optimizers import is_state_slot, slot_owners
 
 # JAX's sharding-plus-memory-layout object (`Layout` in older releases).
 _JaxFormat = getattr(jax_layout, "Format", None) or jax_layout.Layout
@@ -301,41 +302,18 @@ class JaxAdapter(BackendAdapter):
         return None  # every JAX platform has pinned host memory
 
     def call_starting(self, model: Any, name: str, distribution: Any) -> Any:
-        """Keras builds the optimizer before the call's run starts: with
-        layouts that split variables each slot is laid out as the variable
-        it mirrors the moment Keras makes it (`each_new_slot`), so the
-        optimizer's state is never all whole on one device (Adam's: twice
-        the model). A state slot that `offload=` keeps in host memory goes
-        there as it is made, and `optimizer_state_dtype=` is its dtype. A
-        plain `fit` gets slots an offloaded run left in host memory back on
-        the devices first (Keras' own step cannot mix memory kinds)."""
+        """Keras builds the optimizer before the call's run starts: each slot
+        made where `distribution` keeps it (`building_optimizer`). A plain
+        `fit` gets slots an offloaded run left in host memory back on the
+        devices first (Keras' own step cannot mix memory kinds)."""
         optimizer = getattr(model, "optimizer", None)
-        placement = getattr(distribution, "state_placement", None)
         if distribution is None and name == "fit" and optimizer is not None:
             internals.to_device_memory(optimizer.variables, offload.HOST_MEMORY)
-        if (
-            not isinstance(distribution, keras.distribution.ModelParallel)
-            and placement is None
-        ) or (optimizer is None or optimizer.built):
-            return contextlib.nullcontext()
+        return self.building_optimizer(model, distribution)
 
-        def made(reference: Any, slot: Any) -> None:
-            layout = distribution.layout_for_variable(reference)
-            if is_state_slot(slot):
-                layout = offload.slot_layout(placement, layout)
-            if all(axis is None for axis in getattr(layout, "axes", (0,))):
-                return
-            try:
-                _check_layout_divides(slot, layout)
-            except ValueError:
-                return  # the run's start refuses it, with the whole plan
-            internals.relayout_variable(slot, layout)
-
-        return each_new_slot(
-            offload.updating(optimizer),
-            made,
-            state_dtype=offload.slot_dtype_for(placement),
-        )
+    def building_optimizer(self, model: Any, distribution: Any) -> Any:
+        """Each slot made where `distribution` keeps it (`host_state`)."""
+        return host_state.slots_in_place(model, distribution, _check_layout_divides)
 
     def activate(self, model: Any, distribution: Any) -> None:
         input_adapter.forget_last_batch()
@@ -698,4 +676,6 @@ internals.split_variables_at_creation(
 internals.read_variables_through(_gathered)
 internals.place_tensors_through(_placed_exactly)
 internals.assign_host_values_through(_built_shard_by_shard)
+# A slot kept in host memory is made there (never on the device first).
+internals.make_variables_through(host_state.made_in_host_memory)
 ADAPTER = JaxAdapter()

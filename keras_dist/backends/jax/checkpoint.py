@@ -382,11 +382,52 @@ def load(directory: Any, state: Mapping[str, Any], entries: Mapping[str, Any]) -
         restore_args[key] = ocp.ArrayRestoreArgs(
             sharding=sharding, global_shape=shape, dtype=value.dtype
         )
-    restored = _read(
-        item, lambda: _restore(ocp, item, target, restore_args, _all_processes())
-    )
-    for key, variable in state.items():
-        variable.assign(_leaf(restored, key))
+    for keys in restore_groups(target):
+        restored = _read(
+            item,
+            lambda keys=keys: _restore(
+                ocp,
+                item,
+                {key: target[key] for key in keys},
+                {key: restore_args[key] for key in keys},
+                _all_processes(),
+            ),
+        )
+        for key in keys:
+            state[key].assign(_leaf(restored, key))
+        del restored  # the values replaced go before the next group comes
+
+
+def restore_groups(target: Mapping[str, Any]) -> list[list[str]]:
+    """The keys of `target` (`jax.ShapeDtypeStruct`s with shardings) in the
+    groups restored one after the other: each value restored stands beside
+    the one it replaces until it is assigned, so the device holds at most
+    one group's worth more than the model (the largest variable's bytes a
+    group, per device). Values in host memory (offloaded optimizer slots)
+    cost the device nothing: one group."""
+    host = [
+        key
+        for key, struct in target.items()
+        if struct.sharding.memory_kind in ("pinned_host", "unpinned_host")
+    ]
+    per_device = {
+        key: _device_bytes(struct) for key, struct in target.items() if key not in host
+    }
+    budget = max(per_device.values(), default=0)
+    groups, current, size = [], [], 0
+    for key in per_device:
+        if current and size + per_device[key] > budget:
+            groups.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += per_device[key]
+    return [group for group in (*groups, current, host) if group]
+
+
+def _device_bytes(struct: Any) -> int:
+    """The bytes of one device's shard of `struct`."""
+    shard = struct.sharding.shard_shape(tuple(struct.shape))
+    return int(np.prod(shard, dtype=np.int64)) * np.dtype(struct.dtype).itemsize
 
 
 def _keep_jax_on_the_cpu() -> None:

@@ -109,6 +109,7 @@ def check() -> list[str]:
         if compiled is None or not hasattr(compiled, name):
             missing.append(f"CompileMetrics.{name}")
     missing += _check_split_at_creation()
+    missing += _check_made_through()
     if not callable(getattr(_jax_nn(), "_can_use_flash_attention", None)):
         # `xla_attention_only` answers Keras' choice of attention kernel.
         missing.append("keras.src.backend.jax.nn._can_use_flash_attention")
@@ -250,11 +251,47 @@ def _splits(sharding: Any) -> bool:
 def _check_split_at_creation() -> list[str]:
     function = getattr(_jax_core, "should_shard_at_init", None)
     initialize = getattr(JaxVariable, "_initialize_with_initializer", None)
+    # Keras' own, under `make_variables_through`'s.
+    initialize = getattr(initialize, "_keras_dist_original", initialize)
     if function is None or initialize is None:
         return [f"{_jax_core.__name__}.should_shard_at_init"]
     if "should_shard_at_init" not in inspect.getsource(initialize):
         return ["JaxVariable._initialize_with_initializer calls should_shard_at_init"]
     return []
+
+
+def make_variables_through(make: Callable[[Any, Any, Any], Any]) -> None:
+    """Have a Keras JAX variable made from an initializer with a layout take
+    `make(initializer, shape, dtype, layout)` as its first value when that
+    returns an array (a slot in host memory, built there), else Keras' own
+    (idempotent)."""
+    current = JaxVariable._initialize_with_initializer
+    original = getattr(current, "_keras_dist_original", current)
+
+    def _initialize_with_initializer(self: Any, initializer: Any) -> None:
+        self._initialize_layout()
+        value = None
+        if self._layout is not None:
+            value = make(initializer, self._shape, self._dtype, self._layout)
+        if value is None:
+            original(self, initializer)
+        else:
+            self._value = value
+
+    _initialize_with_initializer._keras_dist_original = original  # type: ignore[attr-defined]
+    JaxVariable._initialize_with_initializer = _initialize_with_initializer
+
+
+def _check_made_through() -> list[str]:
+    initialize = getattr(JaxVariable, "_initialize_with_initializer", None)
+    initialize = getattr(initialize, "_keras_dist_original", initialize)
+    missing = []
+    if initialize is None or not hasattr(JaxVariable, "_initialize_layout"):
+        return ["JaxVariable._initialize_with_initializer and _initialize_layout"]
+    source = inspect.getsource(initialize)
+    if "self._value = " not in source or "self._layout" not in source:
+        missing.append("JaxVariable._initialize_with_initializer sets self._value")
+    return missing
 
 
 _original_variable_assign = JaxVariable.assign
