@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -326,11 +326,7 @@ class JaxAdapter(BackendAdapter):
                 return  # the run's start refuses it, with the whole plan
             internals.relayout_variable(slot, layout)
 
-        return each_new_slot(
-            offload.updating(optimizer),
-            made,
-            state_dtype=offload.slot_dtype_for(placement),
-        )
+        return _each_new_slot_of(offload.updating(optimizer), made, placement)
 
     def activate(self, model: Any, distribution: Any) -> None:
         input_adapter.forget_last_batch()
@@ -338,9 +334,10 @@ class JaxAdapter(BackendAdapter):
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and optimizer.built:
             placement = getattr(distribution, "state_placement", None)
-            offload.check_built_slots(
-                offload.updating(optimizer), model.trainable_variables, placement
-            )
+            for updating in offload.updating(optimizer):
+                offload.check_built_slots(
+                    updating, model.trainable_variables, placement
+                )
         # Before anything moves: a failed move would leave the model half laid
         # out (its layout set, its value not), and even a plain `fit` broken.
         for variable, layout in planned:
@@ -573,6 +570,22 @@ def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
                 layout = distribution.layout_for_variable(variable)
             planned[id(variable)] = (variable, layout)
     return list(planned.values())
+
+
+@contextlib.contextmanager
+def _each_new_slot_of(
+    optimizers: list, made: Callable, placement: Any
+) -> Iterator[None]:
+    """`each_new_slot` of every optimizer that makes slots (a
+    `MultiOptimizer`'s each)."""
+    with contextlib.ExitStack() as stack:
+        for optimizer in optimizers:
+            stack.enter_context(
+                each_new_slot(
+                    optimizer, made, state_dtype=offload.slot_dtype_for(placement)
+                )
+            )
+        yield
 
 
 def _gathered(value: Any) -> np.ndarray | None:

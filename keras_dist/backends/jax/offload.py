@@ -57,10 +57,11 @@ def slot_dtype_for(placement: Any) -> Callable[[Any], Any] | None:
     return lambda reference: placement.slot_dtype(reference.dtype)
 
 
-def updating(optimizer: Any) -> Any:
-    """The optimizer that makes and updates the slots: a
-    `LossScaleOptimizer`'s inner one (under `mixed_float16`), else itself."""
-    return getattr(optimizer, "inner_optimizer", optimizer)
+def updating(optimizer: Any) -> list[Any]:
+    """The optimizers that make and update the slots: a
+    `LossScaleOptimizer`'s inner one (under `mixed_float16`), each of a
+    `MultiOptimizer`'s, else `optimizer` itself."""
+    return keras_optimizers.updating_optimizers(optimizer)
 
 
 def check_built_slots(optimizer: Any, variables: list, placement: Any) -> None:
@@ -122,36 +123,90 @@ def stored_dtypes(model: Any, placement: Any) -> Iterator[None]:
         yield
 
 
-def install(optimizer: Any, placement: Any) -> Callable[[], None]:
-    """Have `optimizer`'s updates keep its state as `placement` says, until
-    the returned function is called (the steps traced meanwhile keep it)."""
-    groups: dict[tuple, dict[int, list[Any]]] = {}
+def install(optimizers: list, placement: Any) -> Callable[[], None]:
+    """Have each of `optimizers`' updates keep its state as `placement`
+    says, until the returned function is called (the steps traced meanwhile
+    keep it). Keras' own update runs (`hook_updates`): only each variable's
+    `update_step` is wrapped, its slots moved in and cast up before it,
+    cast down and moved out after."""
+    undo = [_install(optimizer, placement) for optimizer in optimizers]
 
-    def update(grads: list, variables: list, learning_rate: Any) -> None:
-        key = tuple(id(variable) for variable in variables)
-        if key not in groups:
-            groups[key] = keras_optimizers.state_slots(optimizer, variables)
-        slots = groups[key]
-        scope = keras_optimizers.stateless_scope()
+    def uninstall() -> None:
+        for each in reversed(undo):
+            each()
+
+    return uninstall
+
+
+class _Apply:
+    """One `apply`'s update: its slots, whether it is an update step (under
+    gradient accumulation), the last variable's slots (the chain) and the
+    variables updated so far."""
+
+    def __init__(self, optimizer: Any, slots: dict, scope: Any) -> None:
+        self.slots, self.scope = slots, scope
+        self.is_update = None
         steps = optimizer.gradient_accumulation_steps
-        is_update = None
         if steps:
             counter = keras_optimizers.micro_step_counter(optimizer)
             iterations = scope.get_current_value(counter)
-            is_update = (iterations + 1) % steps == 0
-        previous: list[Any] = []
-        for grad, variable in zip(grads, variables, strict=True):
-            own = slots.get(id(variable), [])
-            if placement.offloads_slots and previous and own:
-                _after(scope, own, previous)
-            step = _Update(optimizer, placement, grad, variable, own, learning_rate)
-            if is_update is None or not own or not step.only_own_state(scope):
-                step.run_in(scope)
-            else:
-                step.run_on(scope, is_update)
-            previous = own or previous
+            self.is_update = (iterations + 1) % steps == 0
+        self.previous: list[Any] = []
+        self.updated: set[int] = set()
 
-    return keras_optimizers.update_each_variable(optimizer, update)
+
+def _install(optimizer: Any, placement: Any) -> Callable[[], None]:
+    groups: dict[tuple, dict[int, list[Any]]] = {}
+    applying: list[_Apply] = []
+    name = type(optimizer).__name__
+
+    @contextlib.contextmanager
+    def begin(grads: list, variables: list) -> Iterator[None]:
+        key = tuple(id(variable) for variable in variables)
+        if key not in groups:
+            groups[key] = keras_optimizers.state_slots(optimizer, variables)
+        current = _Apply(optimizer, groups[key], keras_optimizers.stateless_scope())
+        applying.append(current)
+        try:
+            yield
+        finally:
+            applying.pop()
+        missed = [
+            variable.path
+            for variable in variables
+            if current.slots.get(id(variable)) and id(variable) not in current.updated
+        ]
+        if missed:
+            raise NotImplementedError(
+                f"{name}'s update does not call update_step for {missed}: "
+                "offload= and optimizer_state_dtype= move and cast each "
+                "variable's slots around its update_step, so its slots would "
+                "be updated where and as they are stored. Train this optimizer "
+                "without offload= and optimizer_state_dtype=."
+            )
+
+    def each(
+        update_step: Callable, grad: Any, variable: Any, learning_rate: Any
+    ) -> None:
+        if not applying:
+            raise NotImplementedError(
+                f"{name}.update_step was called outside its apply: offload= "
+                "and optimizer_state_dtype= wrap each variable's update within "
+                "the optimizer's apply. Train this optimizer without them."
+            )
+        current, scope = applying[-1], applying[-1].scope
+        own = current.slots.get(id(variable), [])
+        if placement.offloads_slots and current.previous and own:
+            _after(scope, own, current.previous)
+        step = _Update(update_step, placement, grad, variable, own, learning_rate)
+        if current.is_update is None or not own or not step.only_own_state(scope):
+            step.run_in(scope)
+        else:
+            step.run_on(scope, current.is_update)
+        current.previous = own or current.previous
+        current.updated.add(id(variable))
+
+    return keras_optimizers.hook_updates(optimizer, begin, each)
 
 
 def _after(scope: Any, slots: list, previous: list) -> None:
@@ -173,14 +228,14 @@ class _Update:
 
     def __init__(
         self,
-        optimizer: Any,
+        update_step: Callable,
         placement: Any,
         grad: Any,
         variable: Any,
         slots: list,
         learning_rate: Any,
     ) -> None:
-        self.optimizer, self.placement = optimizer, placement
+        self.update_step, self.placement = update_step, placement
         self.grad, self.variable, self.slots = grad, variable, slots
         self.learning_rate = learning_rate
         # Each slot's stored dtype, and those updated in float32 (`narrow`).
@@ -206,7 +261,7 @@ class _Update:
                 slot_value = ops.cast(slot_value, "float32")
             scope.add_update((slot, slot_value))
         with keras_optimizers.read_and_assigned_as(self._narrow_slots(), "float32"):
-            self.optimizer.update_step(self.grad, self.variable, self.learning_rate)
+            self.update_step(self.grad, self.variable, self.learning_rate)
         new_value = scope.get_current_value(self.variable)
         new_slots = []
         for slot in self.slots:
@@ -244,7 +299,7 @@ class _Update:
                 value = ops.cast(value, "float32")
             scope.add_update((slot, value))
         with keras_optimizers.read_and_assigned_as(self._narrow_slots(), "float32"):
-            self.optimizer.update_step(self.grad, self.variable, self.learning_rate)
+            self.update_step(self.grad, self.variable, self.learning_rate)
         for slot in self.slots:
             value = ops.cast(scope.get_current_value(slot), self.stored[id(slot)])
             if self.placement.offloads_slots:
