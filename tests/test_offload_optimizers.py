@@ -199,3 +199,74 @@ def test_every_optimizer_with_bfloat16_state_trains_close_to_float32(kind):
             far[name] = (off, moved, loss_off, got_losses[name])
     assert not far, f"bfloat16 state far from float32 state: {far}"
     assert {slot.dtype for slot in _state_slots(model)} == {"bfloat16"}
+
+
+def _small(optimizer: keras.optimizers.Optimizer) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(4),
+        ]
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def _fit_small(model: keras.Model, distribution: object = None) -> list:
+    x, y = _data(1)
+    callbacks = [] if distribution is None else [kd.DistributeCallback(distribution)]
+    history = model.fit(
+        x,
+        y[0],
+        batch_size=16,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+    )
+    return history.history["loss"]
+
+
+@jax_only
+def test_nadam_alone_logs_the_losses_of_the_run_without_the_options():
+    expected = _fit_small(_small(kopt.Nadam(1e-3)), kd.DataParallel())
+    offloaded = _fit_small(
+        _small(kopt.Nadam(1e-3)), kd.DataParallel(offload="optimizer")
+    )
+    narrow = _fit_small(
+        _small(kopt.Nadam(1e-3)), kd.DataParallel(optimizer_state_dtype="bfloat16")
+    )
+    np.testing.assert_allclose(offloaded, expected, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(narrow, expected, rtol=BF16_LOSS_RTOL)
+
+
+class OwnLoop(SignMomentum):
+    """A user's optimizer whose update never calls `update_step`."""
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        for gradient, variable in zip(grads, trainable_variables, strict=True):
+            self.assign_sub(variable, learning_rate * gradient)
+
+
+@jax_only
+@pytest.mark.parametrize(
+    "placement", [{"offload": "optimizer"}, {"optimizer_state_dtype": "bfloat16"}]
+)
+def test_an_update_that_skips_update_step_is_refused_before_any_step(placement):
+    model = _small(OwnLoop(0.01))
+    before = model.get_weights()
+    refused = r"OwnLoop's update does not call update_step for \['sequential"
+    with pytest.raises(NotImplementedError, match=refused):
+        _fit_small(model, kd.DataParallel(**placement))
+    for got, want in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert int(model.optimizer.iterations) == 0
+    if "optimizer_state_dtype" in placement:
+        # Its slots were made in bfloat16 as the call started: as the error
+        # says, a new optimizer for training without the option.
+        model.compile(optimizer=OwnLoop(0.01), loss="mse")
+    # Without the option it trains, distributed or not.
+    assert np.all(np.isfinite(_fit_small(model, kd.DataParallel())))
+    assert np.all(np.isfinite(_fit_small(model)))

@@ -404,7 +404,13 @@ class JaxAdapter(BackendAdapter):
         if placement is not None and getattr(model, "optimizer", None) is not None:
             # Each variable's update moves and casts its own slots.
             updating = offload.updating(model.optimizer)
-            self._on_deactivate(model, offload.install(updating, placement))
+            undo = offload.install(updating, placement)
+            try:
+                offload.check_updates(model)
+            except Exception:
+                undo()  # refused: the optimizer as it was
+                raise
+            self._on_deactivate(model, undo)
         layers = layers_of(model)
         if getattr(distribution, "remat", None) is not None or any(
             keras_remat.mode_of(layer) is not None for layer in layers

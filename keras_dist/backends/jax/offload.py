@@ -138,6 +138,27 @@ def install(optimizers: list, placement: Any) -> Callable[[], None]:
     return uninstall
 
 
+def check_updates(model: Any) -> None:
+    """Trace one update of `model`'s built optimizer, on shapes only, with
+    the hooks `install` set: an optimizer whose update does not go through
+    `update_step` is refused here, when the call starts and before Keras
+    hands the variables' values to the first step."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not optimizer.built:
+        return
+    variables = model.trainable_variables
+
+    def shapes(of: list) -> list:
+        return [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in of]
+
+    jax.eval_shape(
+        optimizer.stateless_apply,
+        shapes(optimizer.variables),
+        shapes(variables),
+        shapes(variables),
+    )
+
+
 class _Apply:
     """One `apply`'s update: its slots, whether it is an update step (under
     gradient accumulation), the last variable's slots (the chain) and the
@@ -182,7 +203,9 @@ def _install(optimizer: Any, placement: Any) -> Callable[[], None]:
                 "offload= and optimizer_state_dtype= move and cast each "
                 "variable's slots around its update_step, so its slots would "
                 "be updated where and as they are stored. Train this optimizer "
-                "without offload= and optimizer_state_dtype=."
+                "without offload= and optimizer_state_dtype= (after "
+                "optimizer_state_dtype=, compile the model again: its slots "
+                "were made in that dtype)."
             )
 
     def each(
