@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -31,7 +31,6 @@ from keras_dist.common.random_streams import take_process_zero_streams
 from keras_dist.keras_compat import remat as keras_remat
 from keras_dist.keras_compat.layers import layers_of
 from keras_dist.keras_compat.optimizers import (
-    each_new_slot,
     is_state_slot,
     slot_owners,
 )
@@ -326,7 +325,7 @@ class JaxAdapter(BackendAdapter):
                 return  # the run's start refuses it, with the whole plan
             internals.relayout_variable(slot, layout)
 
-        return _each_new_slot_of(offload.updating(optimizer), made, placement)
+        return offload.each_new_slot(optimizer, made, placement)
 
     def activate(self, model: Any, distribution: Any) -> None:
         input_adapter.forget_last_batch()
@@ -394,6 +393,12 @@ class JaxAdapter(BackendAdapter):
         internals.route_batches(batches_for_epoch)
         self._on_deactivate(model, internals.unroute_batches)
         self._install_steps(model, distribution)
+        if getattr(distribution, "state_placement", None) is not None:
+            try:
+                offload.check_updates(model)
+            except Exception:
+                self._undo_activation(model)  # refused: nothing left patched
+                raise
 
     def _install_steps(self, model: Any, distribution: Any) -> None:
         """keras_dist's steps for `model` (the ones `fit`, `evaluate` and
@@ -404,13 +409,7 @@ class JaxAdapter(BackendAdapter):
         if placement is not None and getattr(model, "optimizer", None) is not None:
             # Each variable's update moves and casts its own slots.
             updating = offload.updating(model.optimizer)
-            undo = offload.install(updating, placement)
-            try:
-                offload.check_updates(model)
-            except Exception:
-                undo()  # refused: the optimizer as it was
-                raise
-            self._on_deactivate(model, undo)
+            self._on_deactivate(model, offload.install(updating, placement))
         layers = layers_of(model)
         if getattr(distribution, "remat", None) is not None or any(
             keras_remat.mode_of(layer) is not None for layer in layers
@@ -576,22 +575,6 @@ def _layouts_for(model: Any, distribution: Any) -> list[tuple[Any, Any]]:
                 layout = distribution.layout_for_variable(variable)
             planned[id(variable)] = (variable, layout)
     return list(planned.values())
-
-
-@contextlib.contextmanager
-def _each_new_slot_of(
-    optimizers: list, made: Callable, placement: Any
-) -> Iterator[None]:
-    """`each_new_slot` of every optimizer that makes slots (a
-    `MultiOptimizer`'s each)."""
-    with contextlib.ExitStack() as stack:
-        for optimizer in optimizers:
-            stack.enter_context(
-                each_new_slot(
-                    optimizer, made, state_dtype=offload.slot_dtype_for(placement)
-                )
-            )
-        yield
 
 
 def _gathered(value: Any) -> np.ndarray | None:

@@ -64,6 +64,21 @@ def updating(optimizer: Any) -> list[Any]:
     return keras_optimizers.updating_optimizers(optimizer)
 
 
+@contextlib.contextmanager
+def each_new_slot(optimizer: Any, made: Callable, placement: Any) -> Iterator[None]:
+    """`made(reference, slot)` as each slot is made (`each_new_slot`) by
+    every optimizer that makes them (`updating`), each state slot in the
+    dtype `placement` says."""
+    with contextlib.ExitStack() as stack:
+        for updating_one in updating(optimizer):
+            stack.enter_context(
+                keras_optimizers.each_new_slot(
+                    updating_one, made, state_dtype=slot_dtype_for(placement)
+                )
+            )
+        yield
+
+
 def check_built_slots(optimizer: Any, variables: list, placement: Any) -> None:
     """Refuse an optimizer built before in another state dtype (its slots
     cannot change dtype): naming the slot and what to do. Without a state
@@ -149,7 +164,13 @@ def check_updates(model: Any) -> None:
     variables = model.trainable_variables
 
     def shapes(of: list) -> list:
-        return [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in of]
+        # Where each value lives (its memory kind) as the step will see it.
+        return [
+            jax.ShapeDtypeStruct(
+                v.shape, v.value.dtype, sharding=getattr(v.value, "sharding", None)
+            )
+            for v in of
+        ]
 
     jax.eval_shape(
         optimizer.stateless_apply,
