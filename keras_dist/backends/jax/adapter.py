@@ -393,12 +393,7 @@ class JaxAdapter(BackendAdapter):
         internals.route_batches(batches_for_epoch)
         self._on_deactivate(model, internals.unroute_batches)
         self._install_steps(model, distribution)
-        if getattr(distribution, "state_placement", None) is not None:
-            try:
-                offload.check_updates(model)
-            except Exception:
-                self._undo_activation(model)  # refused: nothing left patched
-                raise
+        offload.check_updates(model, distribution, self._undo_activation)
 
     def _install_steps(self, model: Any, distribution: Any) -> None:
         """keras_dist's steps for `model` (the ones `fit`, `evaluate` and

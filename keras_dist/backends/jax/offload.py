@@ -153,13 +153,18 @@ def install(optimizers: list, placement: Any) -> Callable[[], None]:
     return uninstall
 
 
-def check_updates(model: Any) -> None:
-    """Trace one update of `model`'s built optimizer, on shapes only, with
-    the hooks `install` set: an optimizer whose update does not go through
-    `update_step` is refused here, when the call starts and before Keras
-    hands the variables' values to the first step."""
+def check_updates(model: Any, distribution: Any, undo: Callable) -> None:
+    """Under a state placement, trace one update of `model`'s built
+    optimizer, on shapes only, with the hooks `install` set: an optimizer
+    whose update does not go through `update_step` is refused here, when the
+    call starts and before Keras hands the variables' values to the first
+    step, after `undo(model)` (the activation undone: nothing left patched)."""
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or not optimizer.built:
+    if (
+        getattr(distribution, "state_placement", None) is None
+        or optimizer is None
+        or not optimizer.built
+    ):
         return
     variables = model.trainable_variables
 
@@ -172,12 +177,16 @@ def check_updates(model: Any) -> None:
             for v in of
         ]
 
-    jax.eval_shape(
-        optimizer.stateless_apply,
-        shapes(optimizer.variables),
-        shapes(variables),
-        shapes(variables),
-    )
+    try:
+        jax.eval_shape(
+            optimizer.stateless_apply,
+            shapes(optimizer.variables),
+            shapes(variables),
+            shapes(variables),
+        )
+    except Exception:
+        undo(model)
+        raise
 
 
 class _Apply:
