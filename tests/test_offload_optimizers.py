@@ -250,15 +250,35 @@ class OwnLoop(SignMomentum):
             self.assign_sub(variable, learning_rate * gradient)
 
 
+class DirectApply(SignMomentum):
+    """A user's optimizer that calls `update_step` from its own apply."""
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        for gradient, variable in zip(grads, trainable_variables, strict=True):
+            self.update_step(gradient, variable, self.learning_rate)
+
+
+REFUSED = {
+    OwnLoop: r"OwnLoop's update does not call update_step for \['sequential",
+    DirectApply: r"DirectApply.update_step was called outside its _backend_update",
+}
+
+
 @jax_only
 @pytest.mark.parametrize(
-    "placement", [{"offload": "optimizer"}, {"optimizer_state_dtype": "bfloat16"}]
+    "placement,optimizer",
+    [
+        ({"offload": "optimizer"}, OwnLoop),
+        ({"optimizer_state_dtype": "bfloat16"}, OwnLoop),
+        ({"offload": "optimizer"}, DirectApply),
+    ],
 )
-def test_an_update_that_skips_update_step_is_refused_before_any_step(placement):
-    model = _small(OwnLoop(0.01))
+def test_an_update_that_skips_update_step_is_refused_before_any_step(
+    placement, optimizer
+):
+    model = _small(optimizer(0.01))
     before = model.get_weights()
-    refused = r"OwnLoop's update does not call update_step for \['sequential"
-    with pytest.raises(NotImplementedError, match=refused):
+    with pytest.raises(NotImplementedError, match=REFUSED[optimizer]):
         _fit_small(model, kd.DataParallel(**placement))
     for got, want in zip(model.get_weights(), before, strict=True):
         np.testing.assert_array_equal(got, want)
@@ -266,7 +286,7 @@ def test_an_update_that_skips_update_step_is_refused_before_any_step(placement):
     if "optimizer_state_dtype" in placement:
         # Its slots were made in bfloat16 as the call started: as the error
         # says, a new optimizer for training without the option.
-        model.compile(optimizer=OwnLoop(0.01), loss="mse")
+        model.compile(optimizer=optimizer(0.01), loss="mse")
     # Without the option it trains, distributed or not.
     assert np.all(np.isfinite(_fit_small(model, kd.DataParallel())))
     assert np.all(np.isfinite(_fit_small(model)))

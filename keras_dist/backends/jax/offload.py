@@ -1,7 +1,10 @@
 """The optimizer's state in host memory, in a low-precision dtype (JAX).
 
 A distribution's `state_placement` (`offload=`, `optimizer_state_dtype=`)
-says where each state slot lives; here that is done:
+says where each state slot lives; here that is done. The optimizer's own
+update runs (its `_backend_update_step`: what it keeps per step, as Nadam's
+product of momentum factors or the loss scale, updated as in plain Keras),
+and each `update_step` it calls, one per variable, is wrapped:
 
 ```
 between steps   each slot's array: the sharding of its variable, with
@@ -243,9 +246,10 @@ def _install(optimizer: Any, placement: Any) -> Callable[[], None]:
     ) -> None:
         if not applying:
             raise NotImplementedError(
-                f"{name}.update_step was called outside its apply: offload= "
-                "and optimizer_state_dtype= wrap each variable's update within "
-                "the optimizer's apply. Train this optimizer without them."
+                f"{name}.update_step was called outside its "
+                "_backend_update_step: offload= and optimizer_state_dtype= "
+                "wrap each variable's update within it. Train this optimizer "
+                "without them."
             )
         current, scope = applying[-1], applying[-1].scope
         own = current.slots.get(id(variable), [])
