@@ -346,7 +346,6 @@ def _check_state_hooks() -> list[str]:
     undo()
     if seen[:1] != [len(adam.variables) + 2] or seen[1:] != [True]:
         missing.append("BaseOptimizer._backend_update_step in a StatelessScope")
-    return missing
     return missing + _check_every_optimizer_updates_through_update_step()
 
 
@@ -387,7 +386,6 @@ def _check_every_optimizer_updates_through_update_step() -> list[str]:
     so hooked must call `update_step` once for each variable, inside the
     backend update, and give exactly Keras' own results (per-step state such
     as Nadam's product of momentum factors or a loss scale included)."""
-
     missing = []
     for name, optimizer in _optimizers_to_probe().items():
         if optimizer is None:
