@@ -43,7 +43,12 @@ What keras_dist patches later, and only while it is needed:
   also the model's `ddp_model` (`torch_trainer.lend_ddp`), the torch
   trainer's `get_metrics_result` for that model
   (`torch_trainer.metrics_summed_by_keras_dist`), and Keras' DTensor dispatch
-  mode is left (`torch_trainer.leave_dtensor_promotion`);
+  mode is left (`torch_trainer.leave_dtensor_promotion`); on JAX with a
+  distribution's `offload=` or `optimizer_state_dtype=`, each optimizer
+  that updates the model's variables has its `_backend_update_step` run
+  within keras_dist's and each `update_step` it calls wrapped (Keras' own
+  update runs: `optimizers.hook_updates`), and its slots are made as
+  `optimizers.each_new_slot` says;
 - when a job of several processes starts: Keras' `save_model` and
   `save_weights`, `BackupAndRestore`, `file_utils.makedirs` and, on processes
   other than 0, the file-writing callbacks (`saving`, `callbacks`);

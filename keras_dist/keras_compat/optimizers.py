@@ -121,21 +121,58 @@ def each_new_slot(
         yield
 
 
-def update_each_variable(
-    optimizer: Any, update: Callable[[list, list, Any], None]
+def updating_optimizers(optimizer: Any) -> list[Any]:
+    """The optimizers that make and update the model's slots: a
+    `LossScaleOptimizer`'s inner one, each of a `MultiOptimizer`'s, else
+    `optimizer` itself."""
+    import keras  # noqa: PLC0415
+
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        return updating_optimizers(inner)
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    if multi is not None and isinstance(optimizer, multi):
+        return [o for sub in optimizer.optimizers for o in updating_optimizers(sub)]
+    return [optimizer]
+
+
+def hook_updates(
+    optimizer: Any,
+    begin: Callable[[list, list], contextlib.AbstractContextManager],
+    each: Callable[[Callable, Any, Any, Any], None],
 ) -> Callable[[], None]:
-    """Have the optimizer's backend update (`_backend_update_step(grads,
-    variables, learning_rate)`, which calls `update_step` once per variable)
-    be `update(grads, variables, learning_rate)` until the returned function
-    is called."""
-    own = vars(optimizer).get("_backend_update_step")
-    optimizer._backend_update_step = lambda g, v, lr: update(list(g), list(v), lr)
+    """Until the returned function is called, the optimizer's backend update
+    (`_backend_update_step(grads, variables, learning_rate)`: Keras' own or
+    its subclass', as Nadam's, which first updates its running product of
+    momentum factors) runs as it is, inside `begin(grads, variables)`; and
+    each `update_step(grad, variable, learning_rate)` it calls (Keras' base
+    update calls it once per variable) is `each(update_step, grad, variable,
+    learning_rate)`, `update_step` being the optimizer's own. So every state
+    Keras keeps per step (iterations, Nadam's product, a loss scale) is
+    updated by Keras, and only each variable's own update is wrapped."""
+    backend_update = optimizer._backend_update_step
+    update_step = optimizer.update_step
+    own = {
+        name: vars(optimizer).get(name)
+        for name in ("_backend_update_step", "update_step")
+    }
+
+    def backend_update_step(grads: Any, variables: Any, learning_rate: Any) -> None:
+        with begin(list(grads), list(variables)):
+            backend_update(grads, variables, learning_rate)
+
+    def each_update_step(grad: Any, variable: Any, learning_rate: Any) -> None:
+        each(update_step, grad, variable, learning_rate)
+
+    optimizer._backend_update_step = backend_update_step
+    optimizer.update_step = each_update_step
 
     def undo() -> None:
-        if own is None:
-            vars(optimizer).pop("_backend_update_step", None)
-        else:
-            optimizer._backend_update_step = own
+        for name, held in own.items():
+            if held is None:
+                vars(optimizer).pop(name, None)
+            else:
+                setattr(optimizer, name, held)
 
     return undo
 
@@ -296,18 +333,21 @@ def _check_state_hooks() -> list[str]:
         slot.dtype != "float16" for group in slots.values() for slot in group
     ):
         missing.append("Optimizer slots made by add_variable(dtype=) in build")
-    seen = []
+    seen: list[Any] = []
 
-    def update(grads: list, variables: list, learning_rate: Any) -> None:
+    @contextlib.contextmanager
+    def begin(grads: list, variables: list) -> Iterator[None]:
         scope = stateless_scope()
         seen.append(len(scope_values(scope)))
         group = slots[id(variables[0])]
         with read_and_assigned_as(group, "float32"):
             seen.append(group[0].dtype == "float32")
-        for grad, variable in zip(grads, variables, strict=True):
-            adam.update_step(grad, variable, learning_rate)
+        yield
 
-    undo = update_each_variable(adam, update)
+    def each(update_step: Callable, grad: Any, variable: Any, rate: Any) -> None:
+        update_step(grad, variable, rate)
+
+    undo = hook_updates(adam, begin, each)
     grads = [np.ones(v.shape, "float32") for v in dense.trainable_variables]
     adam.stateless_apply(
         [v.value for v in adam.variables],
@@ -317,4 +357,91 @@ def _check_state_hooks() -> list[str]:
     undo()
     if seen[:1] != [len(adam.variables) + 2] or seen[1:] != [True]:
         missing.append("BaseOptimizer._backend_update_step in a StatelessScope")
+    return missing + _check_every_optimizer_updates_through_update_step()
+
+
+def _optimizers_to_probe() -> dict[str, Any]:
+    """One of every optimizer class `keras.optimizers` exports, made with
+    its defaults (the wrappers around an Adam and a Nadam)."""
+    import keras  # noqa: PLC0415
+
+    made: dict[str, Any] = {}
+    for name in dir(keras.optimizers):
+        cls = getattr(keras.optimizers, name)
+        if not (
+            isinstance(cls, type)
+            and issubclass(cls, keras.optimizers.Optimizer)
+            and cls is not keras.optimizers.Optimizer
+        ):
+            continue
+        if name == "LossScaleOptimizer":
+            made[name] = cls(keras.optimizers.Nadam())
+        elif name == "MultiOptimizer":
+            made[name] = cls(
+                keras.optimizers.OptimizerMap(
+                    keras.optimizers.Adam(), {"probe/bias": keras.optimizers.Nadam()}
+                )
+            )
+        else:
+            try:
+                made[name] = cls()
+            except TypeError:
+                made[name] = None  # named by the check: add it to this probe
+    return made
+
+
+def _check_every_optimizer_updates_through_update_step() -> list[str]:
+    """offload= and optimizer_state_dtype= wrap each variable's
+    `update_step` inside the optimizer's own `_backend_update_step`
+    (`hook_updates`): for every optimizer Keras exports, one stateless step
+    so hooked must call `update_step` once for each variable, inside the
+    backend update, and give exactly Keras' own results (per-step state such
+    as Nadam's product of momentum factors or a loss scale included)."""
+    missing = []
+    for name, optimizer in _optimizers_to_probe().items():
+        if optimizer is None:
+            missing.append(f"keras.optimizers.{name}() (made with no arguments)")
+        elif not _updates_through_update_step(optimizer):
+            missing.append(
+                f"keras.optimizers.{name}: its apply calls update_step once per "
+                "variable inside _backend_update_step, as Keras' own step"
+            )
     return missing
+
+
+def _updates_through_update_step(optimizer: Any) -> bool:
+    import keras  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    dense = keras.layers.Dense(2, name="probe")
+    dense.build((None, 3))
+    variables = dense.trainable_variables
+    optimizer.build(variables)
+    grads = [np.full(v.shape, 0.5, "float32") for v in variables]
+    state = [v.value for v in optimizer.variables]
+    values = [v.value for v in variables]
+    want = optimizer.stateless_apply(state, grads, values)
+    calls: list[str] = []
+    inside: list[bool] = []
+
+    @contextlib.contextmanager
+    def begin(grads: list, variables: list) -> Iterator[None]:
+        inside.append(True)
+        yield
+        inside.pop()
+
+    def each(update_step: Callable, grad: Any, variable: Any, rate: Any) -> None:
+        calls.append(variable.path if inside else "outside")
+        update_step(grad, variable, rate)
+
+    undo = [hook_updates(o, begin, each) for o in updating_optimizers(optimizer)]
+    try:
+        got = optimizer.stateless_apply(state, grads, values)
+    finally:
+        for each_undo in undo:
+            each_undo()
+    same = all(
+        np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip([*want[0], *want[1]], [*got[0], *got[1]], strict=True)
+    )
+    return same and sorted(calls) == sorted(v.path for v in variables)

@@ -321,9 +321,10 @@ class JaxAdapter(BackendAdapter):
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and optimizer.built:
             placement = getattr(distribution, "state_placement", None)
-            offload.check_built_slots(
-                offload.updating(optimizer), model.trainable_variables, placement
-            )
+            for updating in offload.updating(optimizer):
+                offload.check_built_slots(
+                    updating, model.trainable_variables, placement
+                )
         # Before anything moves: a failed move would leave the model half laid
         # out (its layout set, its value not), and even a plain `fit` broken.
         for variable, layout in planned:
@@ -380,6 +381,7 @@ class JaxAdapter(BackendAdapter):
         internals.route_batches(batches_for_epoch)
         self._on_deactivate(model, internals.unroute_batches)
         self._install_steps(model, distribution)
+        offload.check_updates(model, distribution, self._undo_activation)
 
     def _install_steps(self, model: Any, distribution: Any) -> None:
         """keras_dist's steps for `model` (the ones `fit`, `evaluate` and

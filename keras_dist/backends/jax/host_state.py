@@ -27,7 +27,7 @@ import numpy as np
 
 from keras_dist.backends.jax import keras_internals as internals
 from keras_dist.backends.jax import offload
-from keras_dist.keras_compat.optimizers import each_new_slot, is_state_slot
+from keras_dist.keras_compat.optimizers import is_state_slot
 
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
@@ -86,10 +86,10 @@ def slots_in_place(
             return  # the run's start refuses it, with the whole plan
         internals.relayout_variable(slot, layout)
 
-    return each_new_slot(
-        offload.updating(optimizer),
+    return offload.each_new_slot(
+        optimizer,
         made,
-        state_dtype=offload.slot_dtype_for(placement),
+        placement,
         state_layout=slot_layouts(distribution, placement, check_divides),
     )
 

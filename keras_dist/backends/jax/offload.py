@@ -1,7 +1,10 @@
 """The optimizer's state in host memory, in a low-precision dtype (JAX).
 
 A distribution's `state_placement` (`offload=`, `optimizer_state_dtype=`)
-says where each state slot lives; here that is done:
+says where each state slot lives; here that is done. The optimizer's own
+update runs (its `_backend_update_step`: what it keeps per step, as Nadam's
+product of momentum factors or the loss scale, updated as in plain Keras),
+and each `update_step` it calls, one per variable, is wrapped:
 
 ```
 between steps   each slot's array: the sharding of its variable, with
@@ -57,10 +60,31 @@ def slot_dtype_for(placement: Any) -> Callable[[Any], Any] | None:
     return lambda reference: placement.slot_dtype(reference.dtype)
 
 
-def updating(optimizer: Any) -> Any:
-    """The optimizer that makes and updates the slots: a
-    `LossScaleOptimizer`'s inner one (under `mixed_float16`), else itself."""
-    return getattr(optimizer, "inner_optimizer", optimizer)
+def updating(optimizer: Any) -> list[Any]:
+    """The optimizers that make and update the slots: a
+    `LossScaleOptimizer`'s inner one (under `mixed_float16`), each of a
+    `MultiOptimizer`'s, else `optimizer` itself."""
+    return keras_optimizers.updating_optimizers(optimizer)
+
+
+@contextlib.contextmanager
+def each_new_slot(
+    optimizer: Any, made: Callable, placement: Any, *, state_layout: Any = None
+) -> Iterator[None]:
+    """`made(reference, slot)` as each slot is made (`each_new_slot`) by
+    every optimizer that makes them (`updating`), each state slot in the
+    dtype `placement` says and made in `state_layout(reference)`."""
+    with contextlib.ExitStack() as stack:
+        for updating_one in updating(optimizer):
+            stack.enter_context(
+                keras_optimizers.each_new_slot(
+                    updating_one,
+                    made,
+                    state_dtype=slot_dtype_for(placement),
+                    state_layout=state_layout,
+                )
+            )
+        yield
 
 
 def check_built_slots(optimizer: Any, variables: list, placement: Any) -> None:
@@ -122,36 +146,129 @@ def stored_dtypes(model: Any, placement: Any) -> Iterator[None]:
         yield
 
 
-def install(optimizer: Any, placement: Any) -> Callable[[], None]:
-    """Have `optimizer`'s updates keep its state as `placement` says, until
-    the returned function is called (the steps traced meanwhile keep it)."""
-    groups: dict[tuple, dict[int, list[Any]]] = {}
+def install(optimizers: list, placement: Any) -> Callable[[], None]:
+    """Have each of `optimizers`' updates keep its state as `placement`
+    says, until the returned function is called (the steps traced meanwhile
+    keep it). Keras' own update runs (`hook_updates`): only each variable's
+    `update_step` is wrapped, its slots moved in and cast up before it,
+    cast down and moved out after."""
+    undo = [_install(optimizer, placement) for optimizer in optimizers]
 
-    def update(grads: list, variables: list, learning_rate: Any) -> None:
-        key = tuple(id(variable) for variable in variables)
-        if key not in groups:
-            groups[key] = keras_optimizers.state_slots(optimizer, variables)
-        slots = groups[key]
-        scope = keras_optimizers.stateless_scope()
+    def uninstall() -> None:
+        for each in reversed(undo):
+            each()
+
+    return uninstall
+
+
+def check_updates(model: Any, distribution: Any, undo: Callable) -> None:
+    """Under a state placement, trace one update of `model`'s built
+    optimizer, on shapes only, with the hooks `install` set: an optimizer
+    whose update does not go through `update_step` is refused here, when the
+    call starts and before Keras hands the variables' values to the first
+    step, after `undo(model)` (the activation undone: nothing left patched)."""
+    optimizer = getattr(model, "optimizer", None)
+    if (
+        getattr(distribution, "state_placement", None) is None
+        or optimizer is None
+        or not optimizer.built
+    ):
+        return
+    variables = model.trainable_variables
+
+    def shapes(of: list) -> list:
+        # Where each value lives (its memory kind) as the step will see it.
+        return [
+            jax.ShapeDtypeStruct(
+                v.shape, v.value.dtype, sharding=getattr(v.value, "sharding", None)
+            )
+            for v in of
+        ]
+
+    try:
+        jax.eval_shape(
+            optimizer.stateless_apply,
+            shapes(optimizer.variables),
+            shapes(variables),
+            shapes(variables),
+        )
+    except Exception:
+        undo(model)
+        raise
+
+
+class _Apply:
+    """One `apply`'s update: its slots, whether it is an update step (under
+    gradient accumulation), the last variable's slots (the chain) and the
+    variables updated so far."""
+
+    def __init__(self, optimizer: Any, slots: dict, scope: Any) -> None:
+        self.slots, self.scope = slots, scope
+        self.is_update = None
         steps = optimizer.gradient_accumulation_steps
-        is_update = None
         if steps:
             counter = keras_optimizers.micro_step_counter(optimizer)
             iterations = scope.get_current_value(counter)
-            is_update = (iterations + 1) % steps == 0
-        previous: list[Any] = []
-        for grad, variable in zip(grads, variables, strict=True):
-            own = slots.get(id(variable), [])
-            if placement.offloads_slots and previous and own:
-                _after(scope, own, previous)
-            step = _Update(optimizer, placement, grad, variable, own, learning_rate)
-            if is_update is None or not own or not step.only_own_state(scope):
-                step.run_in(scope)
-            else:
-                step.run_on(scope, is_update)
-            previous = own or previous
+            self.is_update = (iterations + 1) % steps == 0
+        self.previous: list[Any] = []
+        self.updated: set[int] = set()
 
-    return keras_optimizers.update_each_variable(optimizer, update)
+
+def _install(optimizer: Any, placement: Any) -> Callable[[], None]:
+    groups: dict[tuple, dict[int, list[Any]]] = {}
+    applying: list[_Apply] = []
+    name = type(optimizer).__name__
+
+    @contextlib.contextmanager
+    def begin(grads: list, variables: list) -> Iterator[None]:
+        key = tuple(id(variable) for variable in variables)
+        if key not in groups:
+            groups[key] = keras_optimizers.state_slots(optimizer, variables)
+        current = _Apply(optimizer, groups[key], keras_optimizers.stateless_scope())
+        applying.append(current)
+        try:
+            yield
+        finally:
+            applying.pop()
+        missed = [
+            variable.path
+            for variable in variables
+            if current.slots.get(id(variable)) and id(variable) not in current.updated
+        ]
+        if missed:
+            raise NotImplementedError(
+                f"{name}'s update does not call update_step for {missed}: "
+                "offload= and optimizer_state_dtype= move and cast each "
+                "variable's slots around its update_step, so its slots would "
+                "be updated where and as they are stored. Train this optimizer "
+                "without offload= and optimizer_state_dtype= (after "
+                "optimizer_state_dtype=, compile the model again: its slots "
+                "were made in that dtype)."
+            )
+
+    def each(
+        update_step: Callable, grad: Any, variable: Any, learning_rate: Any
+    ) -> None:
+        if not applying:
+            raise NotImplementedError(
+                f"{name}.update_step was called outside its "
+                "_backend_update_step: offload= and optimizer_state_dtype= "
+                "wrap each variable's update within it. Train this optimizer "
+                "without them."
+            )
+        current, scope = applying[-1], applying[-1].scope
+        own = current.slots.get(id(variable), [])
+        if placement.offloads_slots and current.previous and own:
+            _after(scope, own, current.previous)
+        step = _Update(update_step, placement, grad, variable, own, learning_rate)
+        if current.is_update is None or not own or not step.only_own_state(scope):
+            step.run_in(scope)
+        else:
+            step.run_on(scope, current.is_update)
+        current.previous = own or current.previous
+        current.updated.add(id(variable))
+
+    return keras_optimizers.hook_updates(optimizer, begin, each)
 
 
 def _after(scope: Any, slots: list, previous: list) -> None:
@@ -173,14 +290,14 @@ class _Update:
 
     def __init__(
         self,
-        optimizer: Any,
+        update_step: Callable,
         placement: Any,
         grad: Any,
         variable: Any,
         slots: list,
         learning_rate: Any,
     ) -> None:
-        self.optimizer, self.placement = optimizer, placement
+        self.update_step, self.placement = update_step, placement
         self.grad, self.variable, self.slots = grad, variable, slots
         self.learning_rate = learning_rate
         # Each slot's stored dtype, and those updated in float32 (`narrow`).
@@ -206,7 +323,7 @@ class _Update:
                 slot_value = ops.cast(slot_value, "float32")
             scope.add_update((slot, slot_value))
         with keras_optimizers.read_and_assigned_as(self._narrow_slots(), "float32"):
-            self.optimizer.update_step(self.grad, self.variable, self.learning_rate)
+            self.update_step(self.grad, self.variable, self.learning_rate)
         new_value = scope.get_current_value(self.variable)
         new_slots = []
         for slot in self.slots:
@@ -244,7 +361,7 @@ class _Update:
                 value = ops.cast(value, "float32")
             scope.add_update((slot, value))
         with keras_optimizers.read_and_assigned_as(self._narrow_slots(), "float32"):
-            self.optimizer.update_step(self.grad, self.variable, self.learning_rate)
+            self.update_step(self.grad, self.variable, self.learning_rate)
         for slot in self.slots:
             value = ops.cast(scope.get_current_value(slot), self.stored[id(slot)])
             if self.placement.offloads_slots:
