@@ -29,7 +29,6 @@ import time
 from typing import Any
 
 
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import keras

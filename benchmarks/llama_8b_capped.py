@@ -157,7 +157,8 @@ def plain(args: argparse.Namespace) -> dict[str, Any]:
         text = f"{type(error).__name__}: {error}"
         needed, available = shortfall_in(text)
         out.update(
-            out_of_memory="RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower(),
+            out_of_memory="RESOURCE_EXHAUSTED" in text
+            or "out of memory" in text.lower(),
             error=text[:3000],
             xla_needed_bytes=needed,
             xla_available_bytes=available,
@@ -204,7 +205,9 @@ def _proposal(args: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]
             "description": result.description,
             "status": result.status,
             "fits": None if result.compiled is None else result.compiled.fits,
-            "peak_bytes": None if result.compiled is None else result.compiled.peak_bytes,
+            "peak_bytes": None
+            if result.compiled is None
+            else result.compiled.peak_bytes,
             "seconds": result.seconds,
         }
         for result in results

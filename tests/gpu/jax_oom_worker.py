@@ -95,7 +95,12 @@ def main() -> None:
     for label in result.get("fitting_variants") or []:
         result["variant"] = label
         try:
-            _fit(_model(args.width, args.layers), args.width, args.batch, **VARIANTS[label])
+            _fit(
+                _model(args.width, args.layers),
+                args.width,
+                args.batch,
+                **VARIANTS[label],
+            )
             result["variant_ran"] = True
         except Exception as problem:  # reported: the suggestion did not fit
             result["variant_ran"] = False

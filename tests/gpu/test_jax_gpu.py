@@ -138,7 +138,9 @@ def test_data_parallel_equals_plain_keras_and_compiles_each_step_once():
     plain_counts = steps(list)
     distribution = kd.DataParallel()
     ours = steps(lambda: [kd.DistributeCallback(distribution)])
-    assert {step: ours[step] for step in ("train_step", "test_step", "predict_step")} == {
+    assert {
+        step: ours[step] for step in ("train_step", "test_step", "predict_step")
+    } == {
         "train_step": 1,
         "test_step": 1,
         "predict_step": 1,
@@ -324,7 +326,9 @@ def test_a_capped_gpu_runs_out_and_the_suggested_variant_fits(tmp_path):
         text=True,
         timeout=300,
     )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert completed.returncode == 0, (
+        completed.stdout[-3000:] + completed.stderr[-3000:]
+    )
     result = json.loads(output.read_text())
     assert result["error"] == "OutOfDeviceMemoryError", result
     assert result["cause"] in ("XlaRuntimeError", "JaxRuntimeError", "RuntimeError")

@@ -91,9 +91,7 @@ def test_one_process_trains_on_the_gpu_as_plain_keras(one):
 
 
 @pytest.mark.parametrize("scenario", ["fsdp", "remat", "compiled"])
-def test_one_process_fsdp_remat_and_the_compiled_step_equal_plain_keras(
-    one, scenario
-):
+def test_one_process_fsdp_remat_and_the_compiled_step_equal_plain_keras(one, scenario):
     assert _gap(one["plain"]["weights"], one[scenario]["weights"]) <= TOLERANCE
 
 

@@ -45,7 +45,9 @@ def _model(jit_compile: bool = False) -> keras.Model:
             keras.layers.Dense(4, name="dense_3"),
         ]
     )
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=jit_compile)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=jit_compile
+    )
     return model
 
 
@@ -87,7 +89,10 @@ def _fit(model: keras.Model, distribution, callbacks=()) -> None:
         epochs=2,
         shuffle=False,
         verbose=0,
-        callbacks=[*([kd.DistributeCallback(distribution)] if distribution else []), *callbacks],
+        callbacks=[
+            *([kd.DistributeCallback(distribution)] if distribution else []),
+            *callbacks,
+        ],
     )
 
 
@@ -199,7 +204,9 @@ def main() -> None:
         "processes": kd.num_processes(),
         "local_rank": os.environ.get("LOCAL_RANK"),
         "process_group": (
-            torch_distributed.get_backend() if torch_distributed.is_initialized() else None
+            torch_distributed.get_backend()
+            if torch_distributed.is_initialized()
+            else None
         ),
         "cuda": torch.cuda.is_available(),
         "current_device": (
