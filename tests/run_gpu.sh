@@ -14,7 +14,9 @@
 #   KERAS_DIST_GPU_STEPS="suite_jax suite_torch speed_jax speed_torch
 #     gemma_kd gemma_plain llama" picks steps;
 #   KERAS_DIST_GPU_TESTS_ON_CPU=1 with --smoke (the second argument) checks
-#   this script on a machine without a GPU (tiny models; no GPU figures).
+#   this script on a machine without a GPU (tiny models; no GPU figures;
+#   KERAS_DIST_GPU_CAP_SCALE=5 and KERAS_DIST_GPU_BUDGET_S=3000 give a slow
+#   CPU the time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-run}}"
@@ -65,6 +67,8 @@ run_step() {
   shift 2
   case " $steps " in *" $name "*) ;; *) return 0 ;; esac
   local limit
+  # KERAS_DIST_GPU_CAP_SCALE stretches each step's cap (a CPU's --smoke run).
+  cap=$(( cap * ${KERAS_DIST_GPU_CAP_SCALE:-1} ))
   limit=$(left)
   [ "$cap" -lt "$limit" ] && limit="$cap"
   if [ "$limit" -lt 20 ]; then
@@ -99,7 +103,7 @@ KERAS_BACKEND=jax run_step gemma_kd 100 "$PYTHON" benchmarks/gemma_full_finetune
   "${gemma[@]}" --json "$out/gemma_kd.json"
 KERAS_BACKEND=jax run_step gemma_plain 100 "$PYTHON" benchmarks/gemma_full_finetune.py \
   "${gemma[@]}" --plain --json "$out/gemma_plain.json"
-llama=(--batch 4 --sequence 1024 --steps 3 --search-budget 90)
+llama=(--batch 4 --sequence 1024 --steps 4 --search-budget 90)
 [ "$smoke" = "--smoke" ] && llama=(--batch 2 --sequence 16 --steps 2 --search-budget 30 --smoke)
 XLA_PYTHON_CLIENT_MEM_FRACTION="${KERAS_DIST_GPU_CAP_FRACTION:-0.55}" \
   XLA_PYTHON_CLIENT_PREALLOCATE=true KERAS_BACKEND=jax \

@@ -368,6 +368,8 @@ INLINE_NOT_RUN = {
     "torchrun ... train.py": "train.py is your script",
     "srun python train.py": "needs SLURM",
     "python train.py": "train.py is your script",
+    "keras-dist launch --nproc-per-node N train.py": "train.py is your script",
+    "tests/gpu_wheels.sh": "downloads wheels for the GPU machine's Python 3.12",
     "tests/run_gpu.sh": "needs an NVIDIA GPU (KERAS_DIST_GPU_TESTS_ON_CPU=1 and "
     "--smoke check it on a CPU, by hand: minutes)",
     "KERAS_BACKEND=jax python benchmarks/gpu_speed.py": "a benchmark for a GPU: "
