@@ -335,3 +335,41 @@ def test_a_capped_gpu_runs_out_and_the_suggested_variant_fits(tmp_path):
     assert "short" in result["message"], result["message"]
     assert result["fitting_variants"], result["message"]
     assert result["variant_ran"] is True, result
+
+
+@pytest.mark.parametrize(
+    "model,offload", [("mlp", False), ("mlp", True), ("decoder", False)]
+)
+def test_the_planned_peak_is_within_10_percent_of_the_measured_one(
+    tmp_path, model, offload
+):
+    needs_cuda("the device's measured peak (CPUs report none)")
+    output = tmp_path / "peak.json"
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("KERAS_DIST", "XLA_PYTHON_CLIENT"))
+    }
+    environment.update(KERAS_BACKEND="jax", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    arguments = [str(output), model, *(["offload"] if offload else [])]
+    completed = subprocess.run(
+        [sys.executable, str(HERE / "jax_peak_worker.py"), *arguments],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, (
+        completed.stdout[-3000:] + completed.stderr[-3000:]
+    )
+    result = json.loads(output.read_text())
+    if "plan_error" in result:
+        if "local" in result["plan_error"]:
+            pytest.skip(
+                f"kd.plan(topology='local') is not here: {result['plan_error']}"
+            )
+        raise AssertionError(result["plan_error"])
+    planned, measured = result["planned_peak_bytes"], result["measured_peak_bytes"]
+    # No moment of fit holds more on the device than the step's plan (the
+    # build, the slots' creation), within the plan's 10 %.
+    assert abs(measured - planned) <= 0.1 * planned, result
