@@ -12,7 +12,9 @@
 # counts and failures, and each benchmark's figures).
 # Usage: tests/run_gpu.sh [OUT_DIR]          (default: $OUT, else ./gpu-run)
 #   KERAS_DIST_GPU_STEPS="suite_jax suite_torch speed_jax speed_torch
-#     gemma_kd gemma_plain llama" picks steps;
+#     gemma_kd gemma_plain llama" picks steps (the 8B run needs most of 9
+#     minutes by itself: KERAS_DIST_GPU_STEPS=llama in a second call, and
+#     KERAS_DIST_GPU_LLAMA_LAYERS=N for a shallower decoder of the same width);
 #   KERAS_DIST_GPU_TESTS_ON_CPU=1 with --smoke (the second argument) checks
 #   this script on a machine without a GPU (tiny models; no GPU figures;
 #   KERAS_DIST_GPU_CAP_SCALE=5 and KERAS_DIST_GPU_BUDGET_S=3000 give a slow
@@ -104,6 +106,8 @@ KERAS_BACKEND=jax run_step gemma_kd 100 "$PYTHON" benchmarks/gemma_full_finetune
 KERAS_BACKEND=jax run_step gemma_plain 100 "$PYTHON" benchmarks/gemma_full_finetune.py \
   "${gemma[@]}" --plain --json "$out/gemma_plain.json"
 llama=(--batch 4 --sequence 1024 --steps 4 --search-budget 90)
+# A shallower decoder of the same width where 32 layers do not fit the time.
+[ -n "${KERAS_DIST_GPU_LLAMA_LAYERS:-}" ] && llama+=(--layers "$KERAS_DIST_GPU_LLAMA_LAYERS")
 [ "$smoke" = "--smoke" ] && llama=(--batch 2 --sequence 16 --steps 2 --search-budget 30 --smoke)
 XLA_PYTHON_CLIENT_MEM_FRACTION="${KERAS_DIST_GPU_CAP_FRACTION:-0.55}" \
   XLA_PYTHON_CLIENT_PREALLOCATE=true KERAS_BACKEND=jax \

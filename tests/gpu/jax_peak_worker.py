@@ -70,9 +70,10 @@ def main() -> None:
     distribution = kd.DataParallel(**options)
     result: dict = {"model": name, "options": options}
     try:
+        # With topology=, the distribution is made on the topology's mesh.
         plan = kd.plan(
             model,
-            distribution,
+            lambda mesh: kd.DataParallel(mesh, **options),
             topology="local",
             batch_size=BATCH,
             steps=("train",),
