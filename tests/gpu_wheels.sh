@@ -3,7 +3,8 @@
 # JAX with its CUDA plugin and a CUDA torch but not Keras: Keras, KerasHub,
 # orbax-checkpoint (kd.Checkpoint on JAX) and pytest, with what they need
 # beyond the machine's own packages, at the versions of this machine's
-# `.venv` (the ones the suite tests), into the git-ignored `.whl-gpu/`.
+# `.venv` (the ones the suite tests), into `.whl-gpu/` (git-ignored; the
+# device tool's `carry` takes it along).
 # Usage: tests/gpu_wheels.sh [PYTHON_VERSION]   (default 3.12)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,8 +12,6 @@ python_version="${1:-3.12}"
 venv_python="${PYTHON:-.venv/bin/python}"
 directory=".whl-gpu"
 mkdir -p "$directory"
-grep -qx "/$directory/" .git/info/exclude 2>/dev/null \
-  || echo "/$directory/" >> "$(git rev-parse --git-path info/exclude)"
 packages=(
   keras namex optree packaging keras-hub
   pytest pluggy iniconfig
