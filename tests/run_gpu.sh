@@ -7,9 +7,10 @@
 # (benchmarks/gemma_full_finetune.py), and the Llama-3-8B-shaped fine-tune
 # under an 80 GB cap (benchmarks/llama_8b_capped.py). Each step runs within
 # what is left of the budget (KERAS_DIST_GPU_BUDGET_S, 540 s: 9 minutes), in
-# that order; a step left without time is reported as not run. One JSON
-# summary: OUT_DIR/gpu_summary.json (every step's exit status, seconds, test
-# counts and failures, and each benchmark's figures).
+# that order; a step left without time is reported as not run. Two files in
+# OUT_DIR: gpu_summary.json (every step's exit status, seconds, tests passed,
+# failed and skipped, each benchmark's figures and the end of its log) and
+# gpu_logs.tar.gz (every log). Exit status 1 when a step or a test failed.
 # Usage: tests/run_gpu.sh [OUT_DIR]          (default: $OUT, else ./gpu-run)
 #   KERAS_DIST_GPU_STEPS="suite_jax suite_torch speed_jax speed_torch
 #     gemma_kd gemma_plain llama" picks steps (the 8B run needs most of 9
@@ -25,6 +26,10 @@ out="${1:-${OUT:-gpu-run}}"
 smoke="${2:-}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
+# Each step's log, test report and figures go to a work folder; OUT_DIR gets
+# two files: the summary and the work folder as gpu_logs.tar.gz (the device
+# tool brings back at most 8 files).
+work="$(mktemp -d -t keras-dist-gpu-run.XXXXXX)"
 PYTHON="${PYTHON:-python3}"
 budget="${KERAS_DIST_GPU_BUDGET_S:-540}"
 began=$(date +%s)
@@ -43,7 +48,7 @@ export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 # suite's subprocesses share the GPU with the pytest process.
 export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
 
-"$PYTHON" - > "$out/versions.json" 2>&1 <<'EOF'
+"$PYTHON" - > "$work/versions.json" 2>&1 <<'EOF'
 import importlib.metadata as m, json, platform
 versions = {"python": platform.python_version()}
 for name in ("jax", "jaxlib", "torch", "keras", "keras-hub", "numpy", "orbax-checkpoint"):
@@ -63,7 +68,7 @@ EOF
 left() { echo $(( budget - ($(date +%s) - began) )); }
 
 # run_step NAME CAP_SECONDS COMMAND...: runs within min(CAP, what is left),
-# writing $out/NAME.log and a line of $out/steps.jsonl.
+# writing $work/NAME.log and a line of $work/steps.jsonl.
 run_step() {
   local name="$1" cap="$2"
   shift 2
@@ -74,37 +79,37 @@ run_step() {
   limit=$(left)
   [ "$cap" -lt "$limit" ] && limit="$cap"
   if [ "$limit" -lt 20 ]; then
-    echo "{\"step\": \"$name\", \"status\": \"not run: the time budget was spent\"}" >> "$out/steps.jsonl"
+    echo "{\"step\": \"$name\", \"status\": \"not run: the time budget was spent\"}" >> "$work/steps.jsonl"
     return 0
   fi
   echo "=== $name (at most ${limit} s) ==="
   local start rc
   start=$(date +%s)
-  timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$work/$name.log" 2>&1
   rc=$?
-  tail -n 5 "$out/$name.log"
-  echo "{\"step\": \"$name\", \"exit\": $rc, \"seconds\": $(( $(date +%s) - start )), \"limit\": $limit}" >> "$out/steps.jsonl"
+  tail -n 5 "$work/$name.log"
+  echo "{\"step\": \"$name\", \"exit\": $rc, \"seconds\": $(( $(date +%s) - start )), \"limit\": $limit}" >> "$work/steps.jsonl"
 }
 
-: > "$out/steps.jsonl"
+: > "$work/steps.jsonl"
 bench_flag=()
 [ "$smoke" = "--smoke" ] && bench_flag=(--smoke)
 pytest_args=(-q -p no:cacheprovider -p no:xdist -rs --durations=10)
 
 KERAS_BACKEND=jax run_step suite_jax 170 "$PYTHON" -m pytest "${pytest_args[@]}" \
-  --junitxml="$out/suite_jax.xml" tests/gpu/test_jax_gpu.py
+  --junitxml="$work/suite_jax.xml" tests/gpu/test_jax_gpu.py
 KERAS_BACKEND=torch run_step suite_torch 170 "$PYTHON" -m pytest "${pytest_args[@]}" \
-  --junitxml="$out/suite_torch.xml" tests/gpu/test_torch_gpu.py
+  --junitxml="$work/suite_torch.xml" tests/gpu/test_torch_gpu.py
 KERAS_BACKEND=jax run_step speed_jax 60 "$PYTHON" benchmarks/gpu_speed.py \
-  --repeats 3 --json "$out/speed_jax.json" "${bench_flag[@]}"
+  --repeats 3 --json "$work/speed_jax.json" "${bench_flag[@]}"
 KERAS_BACKEND=torch run_step speed_torch 40 "$PYTHON" benchmarks/gpu_speed.py \
-  --repeats 3 --json "$out/speed_torch.json" "${bench_flag[@]}"
+  --repeats 3 --json "$work/speed_torch.json" "${bench_flag[@]}"
 gemma=(--offload none --dtype mixed_bfloat16 --batch 8 --sequence 1024 --steps 4)
 [ "$smoke" = "--smoke" ] && gemma=(--offload none --dtype mixed_bfloat16 --batch 2 --sequence 16 --steps 2 --layers 1 --smoke)
 KERAS_BACKEND=jax run_step gemma_kd 100 "$PYTHON" benchmarks/gemma_full_finetune.py \
-  "${gemma[@]}" --json "$out/gemma_kd.json"
+  "${gemma[@]}" --json "$work/gemma_kd.json"
 KERAS_BACKEND=jax run_step gemma_plain 100 "$PYTHON" benchmarks/gemma_full_finetune.py \
-  "${gemma[@]}" --plain --json "$out/gemma_plain.json"
+  "${gemma[@]}" --plain --json "$work/gemma_plain.json"
 llama=(--batch 4 --sequence 1024 --steps 4 --search-budget 90)
 # A shallower decoder of the same width where 32 layers do not fit the time.
 [ -n "${KERAS_DIST_GPU_LLAMA_LAYERS:-}" ] && llama+=(--layers "$KERAS_DIST_GPU_LLAMA_LAYERS")
@@ -112,11 +117,12 @@ llama=(--batch 4 --sequence 1024 --steps 4 --search-budget 90)
 XLA_PYTHON_CLIENT_MEM_FRACTION="${KERAS_DIST_GPU_CAP_FRACTION:-0.55}" \
   XLA_PYTHON_CLIENT_PREALLOCATE=true KERAS_BACKEND=jax \
   run_step llama 600 "$PYTHON" benchmarks/llama_8b_capped.py "${llama[@]}" \
-  --phase-timeout 400 --json "$out/llama_8b.json"
+  --phase-timeout 400 --json "$work/llama_8b.json"
 
-"$PYTHON" - "$out" <<'EOF'
+"$PYTHON" - "$work" "$out" <<'EOF'
 import json, pathlib, sys, xml.etree.ElementTree as ElementTree
 out = pathlib.Path(sys.argv[1])
+destination = pathlib.Path(sys.argv[2])
 summary = {"versions": None, "steps": {}}
 try:
     summary["versions"] = json.loads((out / "versions.json").read_text().splitlines()[-1])
@@ -144,12 +150,21 @@ for line in (out / "steps.jsonl").read_text().splitlines():
             step[result.stem] = json.loads(result.read_text())
         except json.JSONDecodeError:
             step[result.stem] = {"error": "unreadable JSON"}
+    log = out / f"{name}.log"
+    if log.exists():
+        step["log_tail"] = log.read_text(errors="replace")[-3000:]
     summary["steps"][name] = step
-(out / "gpu_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+(destination / "gpu_summary.json").write_text(
+    json.dumps(summary, indent=1, default=str)
+)
 failed = [
     name
     for name, step in summary["steps"].items()
     if step.get("exit") not in (0, None) or (step.get("tests") or {}).get("failed")
 ]
 print(f"gpu_summary.json: {len(summary['steps'])} steps; failed: {failed or 'none'}")
+sys.exit(1 if failed else 0)
 EOF
+status=$?
+tar -czf "$out/gpu_logs.tar.gz" -C "$work" . && rm -rf "$work"
+exit $status
