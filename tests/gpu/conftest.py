@@ -45,7 +45,9 @@ def needs_cuda(what: str) -> None:
         pytest.skip(f"{what} needs a CUDA GPU (running on CPU devices)")
 
 
-@pytest.fixture(autouse=True)
+# Module-scoped: set up before a module's own module-scoped fixtures (the
+# torch module's jobs), so that nothing runs where the tests skip.
+@pytest.fixture(autouse=True, scope="module")
 def _only_with_a_gpu():
     if not on_cpu() and not cuda_present():
         pytest.skip(
