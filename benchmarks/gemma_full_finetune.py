@@ -1,13 +1,18 @@
 """A full fine-tune (every weight trained) of a `GemmaCausalLM` of Gemma-2B's
 shape (random weights, from its config) under `kd.DataParallel(offload=...)`
-on one accelerator: tokens/s and MFU (model FLOPs from `keras_dist.flops` over
-the chip's bfloat16 peak, 197 TFLOP/s on a TPU v5e). One JSON line
-(`RESULT {...}`); an out-of-memory is reported in it, not raised.
+on one accelerator, or with `--plain` the same fit in plain Keras: tokens/s
+and MFU (model FLOPs from `keras_dist.flops` over the device's bfloat16 peak
+in `keras_dist.common.accelerators`: 197 TFLOP/s on a TPU v5e, 989 on an
+H200). One JSON line (`RESULT {...}`, also written to `--json`); an
+out-of-memory is reported in it, not raised.
 
 ```shell
 export KERAS_BACKEND=jax
 python benchmarks/gemma_full_finetune.py --offload optimizer --steps 3
 python benchmarks/gemma_full_finetune.py --offload optimizer --remat full
+# One H200 (141 GB): every weight and AdamW's state on the GPU, kd and plain.
+python benchmarks/gemma_full_finetune.py --offload none --dtype mixed_bfloat16 --batch 8
+python benchmarks/gemma_full_finetune.py --plain --dtype mixed_bfloat16 --batch 8
 ```
 
 It calls `keras.Model.fit` on the causal LM (no preprocessor: the inputs are
@@ -23,8 +28,6 @@ import os
 import time
 from typing import Any
 
-PEAK_BF16 = 197e12  # TPU v5e, keras_dist.common.accelerators
-
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax
@@ -33,10 +36,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     import keras_dist as kd
+    from keras_dist.common.accelerators import peak_flops_per_device
 
     out: dict[str, Any] = {"config": vars(args)}
+    device = jax.devices()[0]
+    out["device_kind"] = device.device_kind
+    peak = peak_flops_per_device(device.device_kind, "bfloat16")
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GemmaBackbone(
+    shape = dict(
         vocabulary_size=256000,
         num_layers=args.layers,
         num_query_heads=8,
@@ -44,8 +51,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hidden_dim=2048,
         intermediate_dim=32768,
         head_dim=256,
-        dtype=args.dtype,
     )
+    if args.smoke:  # a check of the script on a CPU, not Gemma 2B
+        shape.update(
+            vocabulary_size=512, hidden_dim=64, intermediate_dim=128, head_dim=8
+        )
+    backbone = keras_hub.models.GemmaBackbone(**shape, dtype=args.dtype)
     model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
     model.compile(
         optimizer=keras.optimizers.AdamW(1e-4),
@@ -53,7 +64,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     rng = np.random.default_rng(0)
     rows = args.batch * args.steps
-    tokens = rng.integers(0, 256000, (rows, args.sequence + 1))
+    tokens = rng.integers(0, shape["vocabulary_size"], (rows, args.sequence + 1))
     x = {
         "token_ids": tokens[:, :-1].astype("int32"),
         "padding_mask": np.ones((rows, args.sequence), "int32"),
@@ -75,6 +86,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out.setdefault("epoch_s", []).append(time.perf_counter() - self.start)
             out.setdefault("loss", []).append(float(logs["loss"]))
 
+    callbacks: list[Any] = [Watch()]
+    if not args.plain:
+        callbacks.insert(0, kd.DistributeCallback(kd.DataParallel(**options)))
     keras.Model.fit(
         model,
         x,
@@ -83,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         epochs=args.epochs,
         shuffle=False,
         verbose=0,
-        callbacks=[kd.DistributeCallback(kd.DataParallel(**options)), Watch()],
+        callbacks=callbacks,
     )
     step = min(out["epoch_s"][1:] or out["epoch_s"]) / args.steps
     flops = kd.flops.count_flops(
@@ -92,8 +106,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out["params"] = int(model.count_params())
     out["ms_per_step"] = 1000 * step
     out["tokens_per_s"] = args.batch * args.sequence / step
-    out["mfu"] = 3 * flops.forward / step / PEAK_BF16
-    stats = jax.devices()[0].memory_stats() or {}
+    out["peak_tflops"] = None if peak is None else peak / 1e12
+    out["mfu"] = None if peak is None else 3 * flops.forward / step / peak
+    stats = device.memory_stats() or {}
     out["peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
     return out
 
@@ -110,6 +125,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument(
+        "--plain", action="store_true", help="plain Keras: no keras_dist callback"
+    )
+    parser.add_argument("--json", help="also write the result there")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a tiny model: checks the script"
+    )
     args = parser.parse_args()
     try:
         out = run(args)
@@ -118,6 +140,9 @@ def main() -> None:
         out = {"config": vars(args), "ok": False}
         out["error"] = f"{type(error).__name__}: {str(error)[:800]}"
     print("RESULT " + json.dumps(out), flush=True)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(out, file, indent=1)
 
 
 if __name__ == "__main__":

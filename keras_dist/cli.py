@@ -24,6 +24,9 @@ def _devices(arguments: argparse.Namespace) -> int:
         "process_id": keras_dist.process_id(),
         "local_device_count": adapter.local_device_count(),
         "devices": keras_dist.list_devices(),
+        # What the engine calls this process' first device: "cpu", or the
+        # accelerator's model ("NVIDIA H200", "TPU v5 lite").
+        "device_kind": adapter.device_kind(),
     }
     if arguments.json:
         print(json.dumps(report))

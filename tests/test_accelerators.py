@@ -25,6 +25,8 @@ pytestmark = pytest.mark.backend_neutral
         ("TPU v4", 275e12, 275e12, 32 * 2**30),
         ("NVIDIA H100 80GB HBM3", 989e12, 66.9e12, 80 * 10**9),
         ("NVIDIA H100 PCIe", 756e12, 51.2e12, 80 * 10**9),
+        # What torch and JAX call the H200 (SXM, 141 GB).
+        ("NVIDIA H200", 989e12, 66.9e12, 141 * 10**9),
         ("NVIDIA A100-SXM4-40GB", 312e12, 19.5e12, 40 * 10**9),
         ("NVIDIA A100-SXM4-80GB", 312e12, 19.5e12, 80 * 10**9),
     ],

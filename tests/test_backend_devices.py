@@ -126,6 +126,29 @@ def test_torch_cannot_simulate_cpu_devices():
     get_adapter().simulate_cpu_devices(1)  # one device per process is fine
 
 
+@pytest.mark.backend("torch")
+def test_torch_picks_nccl_on_gpus_and_refuses_more_processes_than_gpus(monkeypatch):
+    import torch  # noqa: PLC0415
+
+    from keras_dist.backends.torch import process_group  # noqa: PLC0415
+
+    monkeypatch.delenv("KERAS_DIST_TORCH_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert process_group.backend_to_start() == "nccl"
+    # Two processes on one GPU: NCCL would refuse them at the first
+    # collective ("Duplicate GPU detected"); said before the job starts.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="share 1 GPU") as refused:
+        process_group.backend_to_start()
+    assert "KERAS_DIST_TORCH_BACKEND=gloo" in str(refused.value)
+    assert "--nproc-per-node 1" in str(refused.value)
+    # Asked for by name: what the user set.
+    monkeypatch.setenv("KERAS_DIST_TORCH_BACKEND", "gloo")
+    assert process_group.backend_to_start() == "gloo"
+
+
 # -- what is refused is refused loudly, never trained on one device silently ---------
 def tiny_model():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])

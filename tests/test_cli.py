@@ -390,3 +390,16 @@ def test_launch_errors_say_the_flags(run, tmp_path):
         assert expected in err, (flags, err)
         for name in ("nproc_per_node", "node_rank", "grace_period", "max_restarts"):
             assert name not in err, (flags, err)
+
+
+def test_devices_names_the_engines_device_kind(run, monkeypatch):
+    from keras_dist.backends import get_adapter  # noqa: PLC0415
+
+    # What the engine says of a GPU (jax's device_kind, torch's
+    # get_device_name), in place of this machine's CPU.
+    monkeypatch.setattr(type(get_adapter()), "device_kind", lambda self: "NVIDIA H200")
+    status, out, _ = run("devices", "--json")
+    assert status == 0
+    assert json.loads(out)["device_kind"] == "NVIDIA H200"
+    status, out, _ = run("devices")
+    assert "device_kind: NVIDIA H200" in out

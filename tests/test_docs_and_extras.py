@@ -94,6 +94,14 @@ def test_tensorflow_extra_is_the_gpu_capable_tensorflow():
     assert "keras-dist[jax,torch,tensorflow,ray,plan,examples,test]" in extras["all"]
 
 
+def test_the_cuda_extra_is_jax_with_its_cuda_plugin_and_the_gpu_page_says_so():
+    extras = _extras()
+    assert extras["cuda"] == ["keras-dist[jax]", "jax[cuda13]>=0.10"]
+    page = (REPO / "docs" / "gpus.md").read_text()
+    assert 'pip install "keras-dist[cuda]"' in page
+    assert "tensorflow[and-cuda]" in page and "download.pytorch.org" in page
+
+
 def test_each_integration_that_needs_a_library_has_its_extra():
     extras = _extras()
     assert extras["ray"] == ["ray[train]>=2.50"]

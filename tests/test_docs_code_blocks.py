@@ -547,6 +547,19 @@ INLINE_NOT_RUN = {
     "keras-dist launch --nproc-per-node N script.py": "script.py is your script",
     "torchrun ... train.py": "train.py is your script",
     "srun python train.py": "needs SLURM",
+    "python train.py": "train.py is your script",
+    "keras-dist launch --nproc-per-node N train.py": "train.py is your script",
+    "tests/gpu_wheels.sh": "downloads wheels for the GPU machine's Python 3.12",
+    "tests/run_gpu.sh": "needs an NVIDIA GPU (KERAS_DIST_GPU_TESTS_ON_CPU=1 and "
+    "--smoke check it on a CPU, by hand: minutes)",
+    "KERAS_BACKEND=jax python benchmarks/gpu_speed.py": "a benchmark for a GPU: "
+    "its figures are the GPU's (--smoke checks the script on a CPU)",
+    "KERAS_BACKEND=torch python benchmarks/gpu_speed.py": "a benchmark for a GPU: "
+    "its figures are the GPU's (--smoke checks the script on a CPU)",
+    "python benchmarks/gemma_full_finetune.py --offload none --dtype mixed_bfloat16 "
+    "--batch 8": "needs a GPU: a Gemma-2B-shaped model, 2.5 G parameters",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION=0.55 python benchmarks/llama_8b_capped.py": "needs "
+    "a GPU of more than 80 GB: an 8 G-parameter model",
     "python -m pytest tests/test_package_rules.py": "a test file: the suite runs it",
     "tests/run_suite.sh": "CI runs it: it is the README's test command",
     "tests/run_all_backends.sh": "run by tests/run_suite.sh, which CI runs",

@@ -77,6 +77,7 @@ def test_keras_dist_devices_and_env(tmp_path: pathlib.Path):
         "process_id": 0,
         "local_device_count": 8,
         "devices": [f"cpu:{index}" for index in range(8)],
+        "device_kind": "cpu",
     }
     stdout = _succeeded(
         run_documented(

@@ -231,3 +231,38 @@ def test_a_missing_figure_is_named_not_called_unknown():
     for said in (no_limit, no_peak, on_devices.gib(None)):
         assert "unknown" not in said and "not known" not in said
     assert "16 devices" in on_devices._fsdp_chips(5 * 2**30, 2**30, 2)
+
+
+class _CudaExhausting(keras.layers.Layer):
+    """Raises torch's own CUDA out-of-memory error from inside the step, as a
+    GPU's allocator does (the class exists in torch's CPU builds too)."""
+
+    def call(self, inputs, training=None):
+        import torch  # noqa: PLC0415
+
+        if training:
+            raise torch.cuda.OutOfMemoryError(
+                "CUDA error: allocation of 2.00 GiB failed; GPU 0 has a total "
+                "capacity of 79.10 GiB of which 1.02 GiB is free."
+            )
+        return inputs
+
+
+@pytest.mark.backend("torch")
+def test_torchs_cuda_out_of_memory_error_becomes_the_plan():
+    # The words are not CUDA's usual "out of memory": the type alone says it.
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(256, name="wide"), _CudaExhausting()]
+    )
+    model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(OutOfDeviceMemoryError) as raised:
+        model.fit(
+            np.zeros((8, 16), "float32"),
+            np.zeros((8, 256), "float32"),
+            batch_size=8,
+            verbose=0,
+            callbacks=[kd.DistributeCallback(kd.DataParallel())],
+        )
+    assert str(raised.value).startswith("fit ran out of device memory under")
+    assert "wide/kernel (16, 256)" in str(raised.value)
+    assert type(raised.value.__cause__).__name__ == "OutOfMemoryError"

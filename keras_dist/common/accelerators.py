@@ -58,8 +58,11 @@ _GB = 10**9
 _KINDS: tuple[DeviceKind, ...] = (
     DeviceKind(r"\bh100\b.*\bnvl\b", None, None, 94 * _GB),  # peak not in the table
     DeviceKind(r"\bh100\b.*\bpcie\b", 756e12, 51.2e12, 80 * _GB),
-    DeviceKind(r"\bh100\b", 989e12, 66.9e12, 80 * _GB),  # SXM
-    DeviceKind(r"\bh200\b", 989e12, 66.9e12, 141 * _GB),
+    # H100 SXM and H200 (SXM; "NVIDIA H200" to torch and JAX): NVIDIA's data
+    # sheets' HBM bandwidth (3.35 and 4.8 TB/s) and PCIe Gen5 x16 (128 GB/s
+    # both ways, 64 GB/s one way) to the host.
+    DeviceKind(r"\bh100\b", 989e12, 66.9e12, 80 * _GB, 3.35e12, host_bandwidth=64e9),
+    DeviceKind(r"\bh200\b", 989e12, 66.9e12, 141 * _GB, 4.8e12, host_bandwidth=64e9),
     DeviceKind(r"\ba100\b.*\b40gb\b", 312e12, 19.5e12, 40 * _GB),
     DeviceKind(r"\ba100\b", 312e12, 19.5e12, 80 * _GB),
     DeviceKind(r"\bv100\b.*\bpcie\b", 112e12, 14e12, None),  # float16 only

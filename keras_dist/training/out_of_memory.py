@@ -23,7 +23,14 @@ import numpy as np
 
 from keras_dist.distribution.policies import FSDP, DataParallel
 
-_WORDS = ("resource_exhausted", "out of memory", "resource exhausted")
+# XLA's `RESOURCE_EXHAUSTED`, CUDA's "out of memory", and torch's
+# `torch.OutOfMemoryError` (`torch.cuda.OutOfMemoryError`) by its type's name.
+_WORDS = (
+    "resource_exhausted",
+    "out of memory",
+    "resource exhausted",
+    "outofmemoryerror",
+)
 
 
 class OutOfDeviceMemoryError(MemoryError):

@@ -43,7 +43,22 @@ def backend_to_start() -> str:
     chosen = os.environ.get(BACKEND_VARIABLE, "").strip()
     if chosen:
         return chosen
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    if not torch.cuda.is_available():
+        return "gloo"
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") at the
+    # first collective: said here, before the job starts.
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    gpus = torch.cuda.device_count()
+    if local.isdigit() and int(local) > gpus:
+        raise ValueError(
+            f"{local} processes on this host (LOCAL_WORLD_SIZE={local}) share "
+            f"{gpus} GPU(s), and NCCL, the process group keras_dist starts where "
+            "CUDA is available, refuses two processes on one GPU. Start one "
+            f"process per GPU (`--nproc-per-node {gpus}`), or set "
+            f"{BACKEND_VARIABLE}=gloo to share the GPUs over gloo (slower; for "
+            "tests)."
+        )
+    return "nccl"
 
 
 def cpu_group(timeout: datetime.timedelta | None = None) -> Any:
