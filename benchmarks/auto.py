@@ -23,6 +23,9 @@ Run (8 simulated CPU devices; the race needs a model that trains here):
     KERAS_BACKEND=jax KERAS_DIST_CPU_DEVICES=8 python benchmarks/auto.py \\
         --layers 40 --width 8192 --device-memory 16GiB
 
+On a GPU or a TPU, `--device-memory engine` takes the limit the devices
+report.
+
 Prints one JSON object.
 """
 
@@ -86,11 +89,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--device-memory", default="1GiB")
+    parser.add_argument(
+        "--device-memory", default="1GiB", help='a size, or "engine" on GPUs/TPUs'
+    )
     parser.add_argument("--race", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
     arguments = parser.parse_args()
-    memory = parse_memory(arguments.device_memory)
+    # "engine": the limit the devices report (a GPU's or a TPU's; CPUs
+    # report none and need a size).
+    engine = arguments.device_memory == "engine"
+    memory = None if engine else parse_memory(arguments.device_memory)
     model_function = build(arguments.layers, arguments.width)
     began = time.perf_counter()
     choice = plan_auto(
