@@ -574,6 +574,9 @@ INLINE_NOT_RUN = {
     "chip: it trains on the chip it plans for",
     "TPU_SKIP_MDS_QUERY=1 KERAS_BACKEND=jax python plan_slice.py": "a block that "
     "needs libtpu, saved as a file: how the output shown was made",
+    "KERAS_BACKEND=jax python benchmarks/compiled_plan_check.py --topology local "
+    "--models mlp,transformer --precisions fp32": "needs an accelerator: it "
+    "trains on the devices it plans for (CPUs report no memory to compare)",
     "KERAS_BACKEND=jax python benchmarks/host_transfer_check.py": "needs a TPU "
     "chip: its figures are on the page",
     "python benchmarks/offload.py --mode compiled --layers 8 --width 8192 "
