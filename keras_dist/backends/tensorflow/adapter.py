@@ -23,6 +23,7 @@ from keras_dist.backends.base import BackendAdapter
 from keras_dist.backends.tensorflow import gradients, keras_steps
 from keras_dist.backends.tensorflow import input_adapter as inputs
 from keras_dist.backends.tensorflow import keras_internals as internals
+from keras_dist.backends.tensorflow.iterator_reaper import REAPER
 from keras_dist.cluster import rendezvous
 from keras_dist.common import job
 from keras_dist.common.batch_norm import GlobalBatchNorm
@@ -580,6 +581,16 @@ class TensorFlowAdapter(BackendAdapter):
 
     def deactivate(self, model: Any) -> None:
         self._undo_activation(model)
+
+    @contextlib.contextmanager
+    def call_starting(self, model: Any, name: str, distribution: Any) -> Any:
+        """The call's `tf.data` iterators that Keras dropped are destroyed
+        when it ends (on the reaper's threads), not found later: nothing
+        the call made is left for the interpreter's exit to destroy."""
+        try:
+            yield
+        finally:
+            REAPER.collect()
 
 
 def _process_zero_int(strategy: Any, value: int) -> int:

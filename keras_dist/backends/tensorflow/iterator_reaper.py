@@ -4,16 +4,30 @@ Destroying a `tf.distribute` iterator joins the `tf.data` autotuning threads
 of its per-device pipelines, and each of those may first finish waiting out
 its current optimization period: on TensorFlow 2.21 that is often 2 s, 7 s,
 17 s and up to over a minute (measured on CPU devices, with or without
-autotuning on the input pipeline, read whole or not). Keras drops each
-epoch's iterator when it makes the next one, so that wait fell between two
-epochs, on the thread that trains. TensorFlow releases the GIL while it
-waits, so here the last reference is dropped by a background thread instead:
-the epoch goes on at once.
+autotuning on the input pipeline, read whole or not; longer on a busy
+machine). Keras drops each epoch's iterator when it makes the next one, so
+that wait fell between two epochs, on the thread that trains. TensorFlow
+releases the GIL while it waits, so here the last reference is dropped by a
+background thread instead: the epoch goes on at once.
 
 An iterator is handed over with `adopt` when keras_dist makes it; the reaper
-holds it until nothing else does (Keras dropped it), then destroys it. At
-exit, a destruction under way is given `EXIT_WAIT_SECONDS` to finish; the
-iterators not yet destroyed are left to TensorFlow's own teardown, as before.
+holds it until nothing else does (Keras dropped it), then destroys it on a
+thread of its own. `collect` destroys at once the iterators Keras dropped:
+the TensorFlow adapter calls it when a Keras call ends, so what a call made
+is released with the call, not found later by the poll.
+
+Exit: no destruction may still run once the interpreter shuts down. The last
+step of destroying an iterator (freeing its functions' Python stack traces)
+takes the GIL; a thread that asks for the GIL while the interpreter
+finalizes is ended by `pthread_exit`, whose unwinding through TensorFlow's
+`noexcept` C++ destructor aborts the process ("terminate called after
+throwing an instance of ... FATAL: exception not rethrown", SIGABRT, exit
+code 134) after the script itself succeeded. So `stop`, at exit, waits for
+every destruction under way, up to `EXIT_WAIT_SECONDS` (a destruction that
+outlives it is named on stderr). It starts none: the iterators still held
+are left to the interpreter's teardown, which frees them on the main thread
+(a destruction started at exit waited up to minutes for its autotuning
+threads).
 """
 
 from __future__ import annotations
@@ -25,7 +39,8 @@ import time
 from typing import Any
 
 POLL_SECONDS = 0.2
-EXIT_WAIT_SECONDS = 10.0
+# TensorFlow's autotuning threads have been measured to take over a minute.
+EXIT_WAIT_SECONDS = 180.0
 
 # References `getrefcount` finds when nothing outside the reaper holds an
 # iterator: the list's slot and `getrefcount`'s own argument.
@@ -37,17 +52,16 @@ class IteratorReaper:
 
     def __init__(self) -> None:
         self._held: list[Any] = []
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
+        # Guards `_held`, `_destroying` and `_stopping`; notified when a
+        # destruction ends or the reaper stops.
+        self._changed = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._destroying = 0
-        self._done = threading.Event()
 
     def adopt(self, iterator: Any) -> Any:
         """Hold `iterator` until nothing else does; returns it."""
-        with self._lock:
+        with self._changed:
             if self._stopping:
                 return iterator
             self._held.append(iterator)
@@ -59,62 +73,86 @@ class IteratorReaper:
         return iterator
 
     def pending(self) -> int:
-        """Iterators held and not yet destroyed."""
-        with self._lock:
-            return len(self._held)
+        """Iterators held or being destroyed."""
+        with self._changed:
+            return len(self._held) + self._destroying
+
+    def collect(self) -> None:
+        """Start destroying, now, every iterator nothing else holds."""
+        with self._changed:
+            released = self._take_released()
+        self._destroy_each(released)
 
     def _take_released(self) -> list[Any]:
-        with self._lock:
-            free = [
-                index
-                for index in range(len(self._held))
-                if sys.getrefcount(self._held[index]) <= _OURS
-            ]
-            released = [self._held[index] for index in free]
-            for index in reversed(free):
-                del self._held[index]
-            if released:
-                self._idle.clear()
-            return released
+        """The held iterators nothing else holds, no longer held; each counts
+        as being destroyed from now on (the caller holds `_changed`)."""
+        free = [
+            index
+            for index in range(len(self._held))
+            if sys.getrefcount(self._held[index]) <= _OURS
+        ]
+        released = [self._held[index] for index in free]
+        for index in reversed(free):
+            del self._held[index]
+        self._destroying += len(released)
+        return released
+
+    def _destroy_each(self, released: list[Any]) -> None:
+        while released:
+            # One thread each: a destruction can wait a minute, and the next
+            # iterator must not wait behind it.
+            threading.Thread(
+                target=self._destroy,
+                args=([released.pop()],),
+                name="keras_dist-tf-iterator-reaper-destroy",
+                daemon=True,
+            ).start()
 
     def _run(self) -> None:
-        while not self._stopping:
-            released = self._take_released()
-            while released:
-                # One thread each: a destruction can wait a minute, and the
-                # next iterator must not wait behind it.
-                thread = threading.Thread(
-                    target=self._destroy,
-                    args=([released.pop()],),
-                    name="keras_dist-tf-iterator-reaper-destroy",
-                    daemon=True,
-                )
-                with self._lock:
-                    self._destroying += 1
-                thread.start()
-                del thread
-            self._idle.set()
-            time.sleep(POLL_SECONDS)
+        while True:
+            with self._changed:
+                if self._stopping:
+                    return
+                released = self._take_released()
+            self._destroy_each(released)
+            with self._changed:
+                self._changed.wait_for(lambda: self._stopping, POLL_SECONDS)
 
     def _destroy(self, box: list[Any]) -> None:
         """Runs on its own thread, which drops the last reference (`box`
         holds it, so that `threading.Thread`'s arguments do not)."""
-        box.clear()
-        with self._lock:
-            self._destroying -= 1
-            if self._destroying == 0:
-                self._done.set()
+        try:
+            box.clear()
+        finally:
+            with self._changed:
+                self._destroying -= 1
+                self._changed.notify_all()
 
     def stop(self, timeout_seconds: float = EXIT_WAIT_SECONDS) -> None:
-        """Stop adopting; wait (bounded) for destructions under way."""
-        with self._lock:
+        """Stop adopting and destroying; wait (bounded) until no destruction
+        runs. Called at exit: the iterators still held are left to the
+        interpreter's own teardown, on the main thread (destroying one now
+        could wait minutes for its autotuning threads)."""
+        with self._changed:
             self._stopping = True
-            if self._destroying == 0:
-                self._done.set()
-            else:
-                self._done.clear()
-        self._idle.wait(timeout_seconds)
-        self._done.wait(timeout_seconds)
+            self._changed.notify_all()
+        deadline = time.monotonic() + timeout_seconds
+        with self._changed:
+            ended = self._changed.wait_for(
+                lambda: self._destroying == 0, max(0.0, deadline - time.monotonic())
+            )
+            running = self._destroying
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        if not ended:
+            print(
+                f"keras_dist: {running} TensorFlow iterator(s) still being "
+                f"destroyed after {timeout_seconds:.0f} s at exit (tf.data's "
+                "autotuning threads); the interpreter may abort as it shuts "
+                "down.",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 REAPER = IteratorReaper()
