@@ -41,6 +41,8 @@ from tests.test_launcher import LAUNCHER_FILE, is_alive, wait_until
 WORKER = pathlib.Path(__file__).parent / "workers" / "fault_lifecycle_worker.py"
 START_TIMEOUT_SECONDS = 180  # both ranks import keras and join the job
 END_BOUND_SECONDS = 30.0
+# A stop signal (SIGTERM, Ctrl-C) ends every process of the job within this.
+STOP_BOUND_SECONDS = 10.0
 GRACE_PERIOD_SECONDS = 60.0
 
 # The launcher alone, loaded by path: it starts in a fraction of a second
@@ -309,22 +311,26 @@ def test_a_killed_torch_rank_is_the_root_cause_of_the_survivors_gloo_errors(job)
     started.assert_nothing_left(checkpoints=True)
 
 
-def test_sigterm_to_the_launcher_stops_every_rank_at_once(job):
+# SIGINT: a Ctrl-C in the terminal (the launcher leads the foreground group;
+# each rank runs in a session of its own and gets the signal from it).
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_the_launcher_stops_every_rank_at_once(job, signum):
     started = job("train")
     started.wait_until_training()
     time.sleep(random.uniform(0.0, 1.0))
 
     fault = time.time()
-    started.launcher.send_signal(signal.SIGTERM)
+    started.launcher.send_signal(signum)
     code, ended = started.wait_for_the_end()
 
-    _report("SIGTERM to the launcher", ended - fault)
+    name = signal.Signals(signum).name
+    _report(f"{name} to the launcher", ended - fault)
     # JAX and TensorFlow ranks used to ignore SIGTERM until the grace period
     # (60 s here) ran out.
-    assert ended - fault < END_BOUND_SECONDS
-    assert code == 128 + signal.SIGTERM
+    assert ended - fault < STOP_BOUND_SECONDS
+    assert code == 128 + signum
     assert started.messages() == [
-        "keras-dist: received SIGTERM; stopped 2 process(es)"
+        f"keras-dist: received {name}; stopped 2 process(es)"
     ], started.log()[-6000:]
     started.assert_nothing_left()
 
