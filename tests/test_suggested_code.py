@@ -178,6 +178,27 @@ RUN_TIME = {
 }
 
 
+def _pinned_codes() -> list[str]:
+    from keras_dist.planner.auto_choice import pinned_code
+    from keras_dist.planner.candidates import Candidate
+
+    return [
+        pinned_code(candidate)
+        for candidate in (
+            Candidate("data_parallel", {"batch": 8}),
+            Candidate("fsdp", {"batch": 8}, remat="dots", offload="optimizer"),
+            Candidate("fsdp", {"batch": 2, "seq": 4}),
+            Candidate("fsdp_tp", {"batch": 4, "model": 2}, remat="full"),
+            Candidate("data_parallel", {"batch": 8}, optimizer_state_dtype="bfloat16"),
+        )
+    ]
+
+
+# The functions that write code whole at run time (not in an error): the code
+# they write for each kind of candidate, run as the user would paste it.
+WRITTEN = {"planner/auto_choice.py:pinned_code": _pinned_codes}
+
+
 @pytest.mark.backend("jax")
 def test_every_call_an_error_message_suggests_is_accepted():
     sites = _sites()
@@ -185,13 +206,40 @@ def test_every_call_an_error_message_suggests_is_accepted():
     for site, calls in sites.items():
         for code in calls:
             if "\0" in code:
-                assert site in RUN_TIME, f"{site}: {code!r} is completed at run time"
+                assert site in RUN_TIME or site in WRITTEN, (
+                    f"{site}: {code!r} is completed at run time"
+                )
                 continue
             try:
                 _accepted(code)
             except Exception as error:
                 raise AssertionError(f"{site} suggests {code!r}: {error!r}") from error
-    assert set(RUN_TIME) <= set(sites)
+    assert set(RUN_TIME) | set(WRITTEN) <= set(sites)
+
+
+@pytest.mark.backend("jax")
+@pytest.mark.parametrize("site", list(WRITTEN))
+def test_code_written_at_run_time_runs_as_pasted(site):
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(32), keras.layers.Dense(4)]
+    )
+    for code in WRITTEN[site]():
+        try:
+            made = eval(  # the distribution is the statement's last value
+                compile(ast.parse(code.rsplit("; ", 1)[-1], mode="eval"), site, "eval"),
+                _executed(code, {"kd": kd, "keras": keras, "model": model}),
+            )
+        except Exception as error:
+            raise AssertionError(f"{site} writes {code!r}: {error!r}") from error
+        assert isinstance(made, kd.Distribution), code
+
+
+def _executed(code: str, namespace: dict) -> dict:
+    """`namespace` after the statements before `code`'s last one."""
+    head, _, _ = code.rpartition("; ")
+    if head:
+        exec(head, namespace)
+    return namespace
 
 
 @pytest.mark.backend("jax")
