@@ -303,10 +303,30 @@ def local(env: dict[str, str], port: int) -> dict[str, str]:
     return env
 
 
+PORT_TAKEN = "is already in use on this host"
+
+
 def run_pods(pods, tmp_path: pathlib.Path) -> list[dict]:
     """Each pod's command, its script replaced by the worker, as a local
-    process with the pod's environment; their results."""
-    port = find_free_port()
+    process with the pod's environment; their results. A free port can be
+    taken by another test's job before process 0 listens there (the
+    coordinator then says so): the job runs again on another one."""
+    for attempt in range(3):
+        children = _start_pods(pods, tmp_path, find_free_port())
+        wait_then_clean_up(children, 180)
+        logs = [(tmp_path / f"log-{i}.txt").read_text() for i in range(len(pods))]
+        if attempt < 2 and any(PORT_TAKEN in log for log in logs):
+            continue
+        break
+    for index, (child, _) in enumerate(children):
+        assert child.returncode == 0, logs[index][-4000:]
+    return [
+        json.loads((tmp_path / f"result-{rank}.json").read_text())
+        for rank in range(len(pods))
+    ]
+
+
+def _start_pods(pods, tmp_path: pathlib.Path, port: int) -> list:
     base = {
         name: value
         for name, value in os.environ.items()
@@ -325,15 +345,7 @@ def run_pods(pods, tmp_path: pathlib.Path) -> list[dict]:
         log = open(tmp_path / f"log-{index}.txt", "w")
         argv = [sys.executable, str(WORKERS / "cluster_worker.py"), str(tmp_path)]
         children.append((subprocess.Popen(argv, env=env, stdout=log, stderr=log), log))
-    wait_then_clean_up(children, 180)
-    for index, (child, _) in enumerate(children):
-        assert child.returncode == 0, (tmp_path / f"log-{index}.txt").read_text()[
-            -4000:
-        ]
-    return [
-        json.loads((tmp_path / f"result-{rank}.json").read_text())
-        for rank in range(len(pods))
-    ]
+    return children
 
 
 @pytest.fixture(scope="module")
