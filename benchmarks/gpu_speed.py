@@ -26,34 +26,12 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
-
-
-class _EpochTimes:
-    """A Keras callback's epoch times (made once Keras is imported)."""
-
-    @staticmethod
-    def make():
-        import keras  # noqa: PLC0415
-
-        class Times(keras.callbacks.Callback):
-            def __init__(self) -> None:
-                super().__init__()
-                self.seconds: list[float] = []
-
-            def on_epoch_begin(self, epoch, logs=None):
-                self.began = time.perf_counter()
-
-            def on_epoch_end(self, epoch, logs=None):
-                self.seconds.append(time.perf_counter() - self.began)
-
-        return Times()
 
 
 def _mlp(width: int, dtype: str):
@@ -101,6 +79,7 @@ def _decoder(width: int, blocks: int, tokens: int, vocabulary: int):
 def _ratio(build, x, y, batch: int, repeats: int) -> dict[str, Any]:
     """Plain Keras and keras_dist alternately, each on its own model."""
     import keras_dist as kd  # noqa: PLC0415
+    from benchmarks.harness import EpochTimer  # noqa: PLC0415 (imports keras)
 
     steps = len(x) // batch
     runs = {"plain": (build(), lambda: []), "kd": (build(), None)}
@@ -109,7 +88,7 @@ def _ratio(build, x, y, batch: int, repeats: int) -> dict[str, Any]:
     seconds: dict[str, list[float]] = {"plain": [], "kd": []}
     for round_ in range(repeats + 1):
         for name, (model, callbacks) in runs.items():
-            times = _EpochTimes.make()
+            times = EpochTimer()
             model.fit(
                 x,
                 y,

@@ -65,6 +65,20 @@ class StepTimer(keras.callbacks.Callback):
         return self.batch_ends[0] - self.train_begin
 
 
+class EpochTimer(keras.callbacks.Callback):
+    """Seconds of each epoch of `fit` (`seconds`, in order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: list[float] = []
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.began = time.perf_counter()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.seconds.append(time.perf_counter() - self.began)
+
+
 @dataclass
 class Candidate:
     """One way to train, e.g. keras_dist or the backend's native way.

@@ -167,25 +167,6 @@ def plain(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-class _Times:
-    @staticmethod
-    def make():
-        import keras  # noqa: PLC0415
-
-        class Times(keras.callbacks.Callback):
-            def __init__(self) -> None:
-                super().__init__()
-                self.seconds: list[float] = []
-
-            def on_epoch_begin(self, epoch, logs=None):
-                self.began = time.perf_counter()
-
-            def on_epoch_end(self, epoch, logs=None):
-                self.seconds.append(time.perf_counter() - self.began)
-
-        return Times()
-
-
 def _proposal(args: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]:
     import keras_dist as kd  # noqa: PLC0415
 
@@ -241,6 +222,8 @@ def kd_phase(args: argparse.Namespace) -> dict[str, Any]:
     distribution = proposal.get("_distribution")
     if distribution is None:
         return out
+    from benchmarks.harness import EpochTimer  # noqa: PLC0415 (imports keras)
+
     tokens = args.batch * args.sequence
     for accumulation in (1, 4):
         run: dict[str, Any] = {}
@@ -248,7 +231,7 @@ def kd_phase(args: argparse.Namespace) -> dict[str, Any]:
         try:
             model = _build(shape, accumulation)
             x, y = _data(shape, args.batch * args.steps, args.sequence)
-            times = _Times.make()
+            times = EpochTimer()
             keras.Model.fit(
                 model,
                 x,
