@@ -40,29 +40,22 @@ from typing import Any
 GIB = 2**30
 
 
-def peak_gib() -> float | None:
+def device_gib(stat: str = "peak_bytes_in_use") -> float | None:
+    """The first device's `memory_stats()[stat]` in GiB (None where the
+    platform keeps none, as JAX's CPU)."""
     import jax
 
     stats = jax.devices()[0].memory_stats()
-    if not stats or "peak_bytes_in_use" not in stats:
+    if not stats or stat not in stats:
         return None
-    return round(stats["peak_bytes_in_use"] / GIB, 3)
+    return round(stats[stat] / GIB, 3)
 
 
 def mark(peaks: dict, moment: str) -> None:
     """The peak so far, as of `moment` (printed too: a run cut short keeps
     what it measured)."""
-    peaks[moment] = peak_gib()
+    peaks[moment] = device_gib()
     print(f"PEAK {moment} {peaks[moment]}", flush=True)
-
-
-def in_use_gib() -> float | None:
-    import jax
-
-    stats = jax.devices()[0].memory_stats()
-    if not stats or "bytes_in_use" not in stats:
-        return None
-    return round(stats["bytes_in_use"] / GIB, 3)
 
 
 def make_model(layers: int, width: int) -> Any:
@@ -128,7 +121,7 @@ def restore(directory: str, distribution: Any, args: Any, out: dict) -> None:
     same distribution."""
     import keras_dist as kd
 
-    out["in_use_before_restore_gib"] = in_use_gib()
+    out["in_use_before_restore_gib"] = device_gib("bytes_in_use")
     restored = make_model(args.layers, args.width)
     with distribution.scope():
         out["restored_step"] = kd.restore(restored, directory)
@@ -160,7 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     class Watch(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
             mark(peaks, "after_slots")
-            out["in_use_after_slots_gib"] = in_use_gib()
+            out["in_use_after_slots_gib"] = device_gib("bytes_in_use")
 
         def on_train_batch_end(self, batch, logs=None):
             if batch == 0:
